@@ -1,0 +1,1 @@
+"""Backends compute the model: `reference` (numpy, the executable specification) and, later, `cuda`."""

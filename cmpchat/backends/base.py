@@ -1,0 +1,63 @@
+"""The one small interface every backend implements (DESIGN.md: load, prefill, batched decode, release).
+
+A sequence is an opaque per-backend state object: its KV caches, GDN conv and recurrent states and the
+next position. The generator drives any backend through these methods only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cmpchat.generation.sampling import SamplingParams, sample_token
+from cmpchat.model.config import ModelConfig
+
+
+class Backend(ABC):
+    """A loaded model that turns token ids into next-token logits for one or many sequences."""
+
+    name: str
+    config: ModelConfig
+
+    @abstractmethod
+    def new_sequence(self) -> Any:
+        """An empty sequence state (no tokens seen)."""
+
+    @abstractmethod
+    def sequence_length(self, sequence: Any) -> int:
+        """Tokens the sequence has consumed so far."""
+
+    @abstractmethod
+    def prefill(
+        self,
+        sequence: Any,
+        tokens: Sequence[int],
+        *,
+        positions: np.ndarray | None = None,
+        all_logits: bool = False,
+    ) -> np.ndarray:
+        """Feed `tokens` into `sequence`; logits of the last token [vocab], or of every token [T, vocab].
+
+        `positions` gives (t, h, w) multimodal RoPE positions [T, 3]; by default text positions follow on.
+        """
+
+    @abstractmethod
+    def decode(self, sequences: Sequence[Any], tokens: Sequence[int]) -> np.ndarray:
+        """One token for each sequence in one step; logits [B, vocab]."""
+
+    def release(self, sequence: Any) -> None:
+        """Give back what the sequence holds. The reference backend holds nothing outside the object."""
+
+    def sample(
+        self,
+        logits: np.ndarray,
+        params: Sequence[SamplingParams],
+        histories: Sequence[Sequence[int]],
+        rngs: Sequence[np.random.Generator],
+    ) -> list[int]:
+        """Pick the next token for each row of `logits` (host-side by default; GPU backends sample on the GPU)."""
+        rows = np.atleast_2d(logits)
+        return [sample_token(row, p, h, r) for row, p, h, r in zip(rows, params, histories, rngs, strict=True)]

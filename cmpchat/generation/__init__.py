@@ -1,0 +1,1 @@
+"""Turning logits into text: sampling, stop rules, output parsing and timed events."""

@@ -1,0 +1,101 @@
+"""Next-token selection from logits: penalties, temperature, top-k, top-p, min-p, seeded draws.
+
+Order of operations: penalties on the raw logits, then temperature, then the top-k, top-p and min-p
+filters on the tempered distribution, then one draw. Temperature 0 is greedy (argmax after penalties).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to choose each next token; the defaults are greedy decoding with no penalties."""
+
+    temperature: float = 0.0
+    """0 picks the most likely token; higher values flatten the distribution."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probabilities sum to at least p (1 = all)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one (0 = none)."""
+    repetition_penalty: float = 1.0
+    """Divide positive (multiply negative) logits of recently seen tokens by this (1 = off)."""
+    presence_penalty: float = 0.0
+    """Subtract this from the logit of every recently seen token."""
+    frequency_penalty: float = 0.0
+    """Subtract this times the count of each recently seen token."""
+    penalty_window: int = 64
+    """How many of the latest context tokens the three penalties look at."""
+    seed: int | None = None
+    """Seed for the draws, so a sampled reply can be reproduced."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.penalty_window < 0:
+            raise ValueError("penalty_window must be >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequence[int]) -> np.ndarray:
+    """Logits with the repetition, presence and frequency penalties of the last `penalty_window` tokens."""
+    if not params.has_penalties or params.penalty_window == 0 or len(history) == 0:
+        return logits
+    recent = np.asarray(history[-params.penalty_window :], dtype=np.int64)
+    tokens, counts = np.unique(recent, return_counts=True)
+    out = logits.astype(np.float32, copy=True)
+    seen = out[tokens]
+    if params.repetition_penalty != 1.0:
+        seen = np.where(seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty)
+    seen = seen - params.presence_penalty - params.frequency_penalty * counts
+    out[tokens] = seen
+    return out
+
+
+def sample_token(
+    logits: np.ndarray,
+    params: SamplingParams,
+    history: Sequence[int],
+    rng: np.random.Generator,
+) -> int:
+    """One token id from a [vocab] row of logits."""
+    logits = apply_penalties(np.asarray(logits, dtype=np.float32), params, history)
+    if params.is_greedy:
+        return int(np.argmax(logits))
+    candidates = np.arange(logits.shape[0])
+    scaled = logits / np.float32(params.temperature)
+    if 0 < params.top_k < scaled.shape[0]:
+        candidates = np.argpartition(-scaled, params.top_k - 1)[: params.top_k]
+    # Work on the candidates sorted by probability, most likely first.
+    candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
+    weights = scaled[candidates].astype(np.float64)
+    probs = np.exp(weights - weights[0])
+    probs /= probs.sum()
+    keep = probs.shape[0]
+    if params.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
+    if params.min_p > 0.0:
+        keep = min(keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
+    probs = probs[:keep] / probs[:keep].sum()
+    return int(candidates[rng.choice(keep, p=probs)])
