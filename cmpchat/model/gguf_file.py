@@ -1,6 +1,6 @@
 """A memory-mapped GGUF file: metadata as Python values, tensors as zero-copy views.
 
-Built on the `gguf` package's reader. Nothing is read into memory up front beyond the header: tensor data
+Parsed by `gguf_parse` with the `gguf` package's constants. Nothing is read into memory up front beyond the header: tensor data
 stays in the page cache until a caller touches it, so a mining box with little RAM can open a 27B file.
 Every way a file can be unusable ends in a `CmpchatError` naming the file and the problem.
 """
@@ -8,19 +8,15 @@ Every way a file can be unusable ends in a `CmpchatError` naming the file and th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.constants import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType
 
 from cmpchat.errors import CmpchatError
+from cmpchat.model.gguf_parse import TensorInfo, parse
 from cmpchat.model.quant import q8_0_dequantize, q8_0_split
-
-GGUF_MAGIC = b"GGUF"
 
 # The tensor types the engine computes with; anything else is refused by name.
 SUPPORTED_TYPES = {
@@ -31,52 +27,23 @@ SUPPORTED_TYPES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """Where a tensor lives and what it holds. `shape` is in numpy order: (rows = outputs, cols = inputs)."""
-
-    name: str
-    type: GGMLQuantizationType
-    shape: tuple[int, ...]
-    offset: int
-    n_bytes: int
-
-    @property
-    def type_name(self) -> str:
-        return self.type.name
-
-
 class ModelFile:
     """An open GGUF file. Cheap to create; tensor bytes are read only when asked for."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._reader = _open_reader(self.path)
-        self.tensors: dict[str, TensorInfo] = {}
-        for tensor in self._reader.tensors:
-            info = TensorInfo(
-                name=tensor.name,
-                type=tensor.tensor_type,
-                shape=tuple(int(d) for d in reversed(tensor.shape.tolist())),
-                offset=tensor.data_offset,
-                n_bytes=int(tensor.n_bytes),
-            )
+        self._data, self.metadata, self.tensors = parse(self.path)
+        for info in self.tensors.values():
             if info.type not in SUPPORTED_TYPES:
                 raise CmpchatError(
                     f"{self.path.name}: tensor '{info.name}' has type {info.type_name}, which cmpchat does not "
                     f"support (it reads F32, F16, BF16 and Q8_0); use a Q8_0 GGUF of the model"
                 )
-            self.tensors[info.name] = info
 
     def __repr__(self) -> str:
         return f"ModelFile({str(self.path)!r})"
 
     # -- metadata ---------------------------------------------------------------------------------
-
-    @cached_property
-    def metadata(self) -> dict[str, Any]:
-        """Every key/value field as plain Python values (str, int, float, bool, lists of those)."""
-        return {name: _field_value(field) for name, field in self._reader.fields.items() if not name.startswith("GGUF.")}
 
     @property
     def architecture(self) -> str:
@@ -105,7 +72,7 @@ class ModelFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view of the mapped file."""
         info = self.tensor_info(name)
-        return self._reader.data[info.offset : info.offset + info.n_bytes]
+        return self._data[info.offset : info.offset + info.n_bytes]
 
     def q8_0_parts(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """(scales fp16 [rows, cols/32], quants int8 [rows, cols/32, 32]) views of a Q8_0 matrix."""
@@ -132,7 +99,7 @@ class ModelFile:
         return _to_float32(values, info.type)
 
     def _plain_view(self, info: TensorInfo) -> np.ndarray:
-        raw = self._reader.data[info.offset : info.offset + info.n_bytes]
+        raw = self._data[info.offset : info.offset + info.n_bytes]
         dtype = {
             GGMLQuantizationType.F32: np.float32,
             GGMLQuantizationType.F16: np.float16,
@@ -154,40 +121,3 @@ def _as_matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, cols
 
 
-def _open_reader(path: Path) -> GGUFReader:
-    name = path.name
-    if not path.exists():
-        raise CmpchatError(f"{path}: no such file; give the path of a .gguf model file")
-    if path.is_dir():
-        raise CmpchatError(f"{path} is a folder; give the path of a .gguf model file inside it")
-    with open(path, "rb") as handle:
-        magic = handle.read(4)
-    if magic != GGUF_MAGIC:
-        raise CmpchatError(f"{name} is not a GGUF file; cmpchat reads GGUF models (e.g. a Qwen3.5 Q8_0 .gguf from llama.cpp's converter)")
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, TypeError, UnicodeDecodeError) as err:
-        raise CmpchatError(f"{name} is damaged or truncated ({err}); download or convert it again") from None
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        block_size, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-        if tensor.data_offset + tensor.n_elements * type_size // block_size > size:
-            raise CmpchatError(f"{name} is truncated: tensor '{tensor.name}' runs past the end of the file; download or convert it again")
-    return reader
-
-
-def _field_value(field: Any) -> Any:
-    """A reader field as a Python value; string arrays become list[str], numeric arrays list[int|float]."""
-    main_type = field.types[0]
-    if main_type == GGUFValueType.ARRAY:
-        sub_type = field.types[-1]
-        if sub_type == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if not field.data:
-            return []
-        # Numeric array elements are consecutive parts of one dtype: join them in one step.
-        values = np.concatenate([field.parts[i] for i in field.data])
-        return values.tolist()
-    if main_type == GGUFValueType.STRING:
-        return bytes(field.parts[-1]).decode("utf-8", errors="replace")
-    return field.parts[-1].tolist()[0]

@@ -82,18 +82,18 @@ class Linear:
             self._weight_scales = scales.astype(np.float32).T.copy()  # [blocks, out]
             self._block_quants = quants.astype(np.float32).transpose(1, 2, 0).copy()  # [blocks, 32, out]
         else:
-            self._weight_t = np.ascontiguousarray(model_file.dequantize(name).T)  # [in, out]
+            self._weight = model_file.dequantize(name)  # [out, in]; BLAS takes the transpose as is
 
     @property
     def host_bytes(self) -> int:
         """Host memory this layer keeps."""
         if self._int8_path:
             return self._weight_scales.nbytes + self._block_quants.nbytes
-        return self._weight_t.nbytes
+        return self._weight.nbytes
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if not self._int8_path:
-            return x.astype(np.float32, copy=False) @ self._weight_t
+            return x.astype(np.float32, copy=False) @ self._weight.T
         rows = x.shape[0]
         quants, scales = quantize_activations(x)
         quants = quants.reshape(rows, -1, Q8_0_BLOCK).astype(np.float32)

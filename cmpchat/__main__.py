@@ -1,0 +1,5 @@
+import sys
+
+from cmpchat.cli import main
+
+sys.exit(main())

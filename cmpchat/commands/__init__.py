@@ -1,0 +1,1 @@
+"""One module per `cmpchat` sub-command, each with `add_parser(subparsers)` and a handler."""
