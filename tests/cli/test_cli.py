@@ -1,0 +1,67 @@
+"""The command line as a user meets it: replies stream, speeds print, errors are one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cmpchat.cli import main
+
+
+def test_run_streams_a_reply_and_prints_speeds(tiny_model_path, capsys):
+    assert main(["run", "-m", str(tiny_model_path), "-p", "Hello", "-n", "8", "--temp", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()
+    assert "tok/s" in err and "prompt:" in err and "reply:" in err
+
+
+def test_info_describes_the_model(tiny_model_path, capsys):
+    assert main(["info", str(tiny_model_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 Gated DeltaNet + 2 gated attention" in out
+    assert "Q8_0" in out and "KV cache" in out
+
+
+def test_tokenize_prints_ids(tiny_model_path, capsys):
+    assert main(["tokenize", "-m", str(tiny_model_path), "Hello<|im_end|>"]) == 0
+    ids = [int(i) for i in capsys.readouterr().out.split()]
+    assert len(ids) == 3  # "He" and "llo" (merged), then the special token whole
+    assert ids[-1] == 256 + 3 + 2  # <|im_end|> in the tiny vocabulary
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["info", "missing.gguf"], "no such file"),
+        (["run", "-m", "missing.gguf", "-p", "x"], "no such file"),
+        (["tokenize", "-m", "missing.gguf", "x"], "no such file"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(args, fragment, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cmpchat", *args], cwd=tmp_path, capture_output=True, text=True, env=os.environ.copy()
+    )
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cmpchat: error:") and fragment in lines[0]
+
+
+def test_not_a_gguf_file(tmp_path, capsys):
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("hello")
+    assert main(["info", str(bogus)]) == 1
+    assert "not a GGUF file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_model_is_built_once_and_runs(capsys):
+    """The quick start: no model given, so the demo model is built into the (test) cache and used."""
+    assert main(["run", "-p", "Hello", "-n", "4", "--seed", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "random" in err and "tok/s" in err
+    assert main(["run", "-p", "Hello", "-n", "4", "--seed", "1"]) == 0
+    assert "writing the demo model" not in capsys.readouterr().err
