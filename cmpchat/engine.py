@@ -1,10 +1,10 @@
 """The public Python API: open a model on a backend, tokenize, get logits, generate and chat.
 
-    import cmpchat
-    model = cmpchat.open_model("Qwen3.5-9B-Q8_0.gguf")        # or open_model() for the demo model
-    for event in model.chat([cmpchat.Message("user", "Hello!")]):
-        if isinstance(event, cmpchat.ContentDelta):
-            print(event.text, end="", flush=True)
+import cmpchat
+model = cmpchat.open_model("Qwen3.5-9B-Q8_0.gguf")        # or open_model() for the demo model
+for event in model.chat([cmpchat.Message("user", "Hello!")]):
+    if isinstance(event, cmpchat.ContentDelta):
+        print(event.text, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -88,9 +88,7 @@ class Model:
         """Stream the assistant's next reply to a conversation."""
         prompt = self.render(messages, tools=tools, enable_thinking=enable_thinking)
         tokens = self.tokenizer.encode(prompt.text, parse_special=True)
-        return self.generator.generate(
-            tokens, options, starts_in_reasoning=prompt.thinking, tools=tools, cancel=cancel
-        )
+        return self.generator.generate(tokens, options, starts_in_reasoning=prompt.thinking, tools=tools, cancel=cancel)
 
     def generate(
         self,

@@ -48,7 +48,7 @@ class Backend(ABC):
     def decode(self, sequences: Sequence[Any], tokens: Sequence[int]) -> np.ndarray:
         """One token for each sequence in one step; logits [B, vocab]."""
 
-    def release(self, sequence: Any) -> None:
+    def release(self, sequence: Any) -> None:  # noqa: B027 (optional hook)
         """Give back what the sequence holds. The reference backend holds nothing outside the object."""
 
     def sample(

@@ -7,8 +7,8 @@ import json
 import sys
 
 from cmpchat.chat.messages import Message
-from cmpchat.errors import CmpchatError
 from cmpchat.commands.model_args import add_model_arguments, open_from_args
+from cmpchat.errors import CmpchatError
 from cmpchat.generation.events import ContentDelta, Finished, ReasoningDelta, ToolCallEvent
 from cmpchat.generation.generator import GenerationOptions
 from cmpchat.generation.sampling import SamplingParams
@@ -21,10 +21,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(parser)
     parser.add_argument("-p", "--prompt", required=True, help="the user message")
     parser.add_argument("-s", "--system", help="a system prompt")
-    parser.add_argument("-n", "--max-tokens", type=int, default=512, metavar="N", help="most tokens to generate (default 512)")
-    parser.add_argument("--temp", type=float, default=0.7, metavar="T", help="sampling temperature, 0 = greedy (default 0.7)")
-    parser.add_argument("--top-p", type=float, default=0.8, metavar="P", help="nucleus sampling threshold (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=20, metavar="K", help="sample among the K likeliest tokens (default 20)")
+    parser.add_argument(
+        "-n", "--max-tokens", type=int, default=512, metavar="N", help="most tokens to generate (default 512)"
+    )
+    parser.add_argument(
+        "--temp", type=float, default=0.7, metavar="T", help="sampling temperature, 0 = greedy (default 0.7)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=0.8, metavar="P", help="nucleus sampling threshold (default 0.8)"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=20, metavar="K", help="sample among the K likeliest tokens (default 20)"
+    )
     parser.add_argument("--seed", type=int, metavar="S", help="seed for reproducible sampling")
     parser.add_argument("--no-think", action="store_true", help="answer without a reasoning block")
     parser.set_defaults(handler=run)

@@ -66,7 +66,9 @@ class Generator:
         if not prompt:
             raise CmpchatError("the prompt is empty")
         if len(prompt) >= context:
-            raise CmpchatError(f"the prompt is {len(prompt)} tokens but the model's context holds {context}; shorten it")
+            raise CmpchatError(
+                f"the prompt is {len(prompt)} tokens but the model's context holds {context}; shorten it"
+            )
         budget = context - len(prompt)
         if options.max_tokens is not None:
             budget = min(budget, options.max_tokens)
@@ -134,7 +136,9 @@ class Generator:
                 decode_seconds=decode_seconds,
                 time_to_first_token=first_token_at if first_token_at is not None else prompt_seconds,
             )
-            yield Finished(reason, "".join(collected.content), "".join(collected.reasoning), tuple(collected.tool_calls), timings)
+            yield Finished(
+                reason, "".join(collected.content), "".join(collected.reasoning), tuple(collected.tool_calls), timings
+            )
         finally:
             backend.release(sequence)
 

@@ -144,7 +144,7 @@ def build_model(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     done = 0
-    for spec, data in zip(specs, _random_tensors(specs, shape, seed), strict=True):
+    for data in _random_tensors(specs, shape, seed):
         writer.write_tensor_data(data)
         done += data.nbytes
         if progress is not None:

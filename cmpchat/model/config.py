@@ -53,7 +53,10 @@ class ModelConfig:
         checks = [
             (self.num_heads % self.num_kv_heads == 0, "attention heads are not a multiple of KV heads"),
             (self.num_v_heads % self.num_k_heads == 0, "GDN value heads are not a multiple of key heads"),
-            (self.rope_dims % 2 == 0 and self.rope_dims <= self.head_dim, "RoPE dimension count is odd or exceeds the head size"),
+            (
+                self.rope_dims % 2 == 0 and self.rope_dims <= self.head_dim,
+                "RoPE dimension count is odd or exceeds the head size",
+            ),
             (sum(self.rope_sections) <= self.rope_dims // 2, "RoPE sections exceed half the RoPE dimensions"),
             (self.hidden_size % 32 == 0, "hidden size is not a multiple of 32"),
         ]
@@ -147,7 +150,9 @@ class _Keys:
         if isinstance(value, list):
             distinct = {v for v in value if v}
             if len(distinct) != 1:
-                raise CmpchatError(f"{self._file.path.name}: '{ARCHITECTURE}.{name}' varies per layer ({value}); cmpchat needs one value")
+                raise CmpchatError(
+                    f"{self._file.path.name}: '{ARCHITECTURE}.{name}' varies per layer ({value}); cmpchat needs one value"
+                )
             value = distinct.pop()
         return int(value)
 

@@ -55,7 +55,9 @@ class ModelFile:
     def require(self, key: str) -> Any:
         """A metadata value the model cannot work without."""
         if key not in self.metadata:
-            raise CmpchatError(f"{self.path.name}: metadata key '{key}' is missing; the file is incomplete or not a model cmpchat supports")
+            raise CmpchatError(
+                f"{self.path.name}: metadata key '{key}' is missing; the file is incomplete or not a model cmpchat supports"
+            )
         return self.metadata[key]
 
     # -- tensors ----------------------------------------------------------------------------------
@@ -66,7 +68,9 @@ class ModelFile:
     def tensor_info(self, name: str) -> TensorInfo:
         info = self.tensors.get(name)
         if info is None:
-            raise CmpchatError(f"{self.path.name}: tensor '{name}' is missing; the file is incomplete or was made for another model")
+            raise CmpchatError(
+                f"{self.path.name}: tensor '{name}' is missing; the file is incomplete or was made for another model"
+            )
         return info
 
     def raw(self, name: str) -> np.ndarray:
@@ -119,5 +123,3 @@ def _as_matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     cols = shape[-1]
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     return rows, cols
-
-

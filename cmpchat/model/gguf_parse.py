@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import mmap
 import struct
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -116,7 +116,9 @@ def parse(path: Path) -> tuple[np.ndarray, dict[str, Any], dict[str, TensorInfo]
     data = np.frombuffer(mapped, dtype=np.uint8)
     cursor = _Cursor(memoryview(mapped))
     if bytes(data[:4]) != GGUF_MAGIC:
-        raise CmpchatError(f"{name} is not a GGUF file; cmpchat reads GGUF models (e.g. a Qwen3.5 Q8_0 .gguf from llama.cpp's converter)")
+        raise CmpchatError(
+            f"{name} is not a GGUF file; cmpchat reads GGUF models (e.g. a Qwen3.5 Q8_0 .gguf from llama.cpp's converter)"
+        )
     cursor.offset = 4
     try:
         version = cursor.unpack("<I")
@@ -148,7 +150,9 @@ def parse(path: Path) -> tuple[np.ndarray, dict[str, Any], dict[str, TensorInfo]
         n_bytes = n_elements // block_size * type_size
         start = data_start + offset
         if start + n_bytes > size:
-            raise CmpchatError(f"{name} is truncated: tensor '{tensor_name}' runs past the end of the file; download or convert it again")
+            raise CmpchatError(
+                f"{name} is truncated: tensor '{tensor_name}' runs past the end of the file; download or convert it again"
+            )
         tensors[tensor_name] = TensorInfo(tensor_name, tensor_type, tuple(reversed(dims)), start, n_bytes)
     return data, metadata, tensors
 

@@ -15,7 +15,14 @@ import pytest
 from cmpchat.backends.base import Backend
 from cmpchat.engine import open_model
 from cmpchat.errors import CmpchatError
-from cmpchat.generation.events import ContentDelta, DecodeProgress, Finished, PromptProgress, ReasoningDelta, ToolCallEvent
+from cmpchat.generation.events import (
+    ContentDelta,
+    DecodeProgress,
+    Finished,
+    PromptProgress,
+    ReasoningDelta,
+    ToolCallEvent,
+)
 from cmpchat.generation.generator import GenerationOptions, Generator
 from cmpchat.generation.sampling import SamplingParams
 from cmpchat.model.config import ModelConfig

@@ -11,7 +11,6 @@ from cmpchat.errors import CmpchatError
 from cmpchat.model.builder import MODEL_SHAPES, tensor_specs
 from cmpchat.model.config import LayerKind, ModelConfig
 from cmpchat.model.gguf_file import ModelFile
-
 from tests.conftest import TINY_SHAPE
 
 
@@ -89,6 +88,8 @@ def test_released_shapes_match_the_published_bytes_per_token():
     for name, expected in [("9B", 8.4e9), ("27B", 27.2e9)]:
         specs = tensor_specs(MODEL_SHAPES[name])
         matrix_bytes = sum(
-            spec.shape[0] * spec.shape[1] // 32 * 34 for spec in specs if spec.role == "matrix" and spec.name != "token_embd.weight"
+            spec.shape[0] * spec.shape[1] // 32 * 34
+            for spec in specs
+            if spec.role == "matrix" and spec.name != "token_embd.weight"
         )
         assert abs(matrix_bytes - expected) / expected < 0.03, (name, matrix_bytes)

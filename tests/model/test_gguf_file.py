@@ -13,7 +13,9 @@ from cmpchat.model.gguf_file import ModelFile
 from cmpchat.model.quant import q8_0_quantize
 
 
-def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]], arch: str = "qwen35", **fields) -> Path:
+def write_gguf(
+    path: Path, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]], arch: str = "qwen35", **fields
+) -> Path:
     writer = gguf.GGUFWriter(path, arch)
     for key, value in fields.items():
         writer.add_key_value(key, value[0], value[1])

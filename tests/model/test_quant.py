@@ -17,7 +17,9 @@ def test_q8_0_quantize_matches_gguf_package():
         gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.Q8_0),
     )
     scales, quants = q8_0_split(ours, 4, 96)
-    np.testing.assert_array_equal(q8_0_dequantize(scales, quants), gguf.quants.dequantize(ours, gguf.GGMLQuantizationType.Q8_0))
+    np.testing.assert_array_equal(
+        q8_0_dequantize(scales, quants), gguf.quants.dequantize(ours, gguf.GGMLQuantizationType.Q8_0)
+    )
 
 
 def test_activation_quantisation_rule():

@@ -19,7 +19,9 @@ def test_int8_linear_is_the_dot_product_of_the_rounded_operands(tiny_model_path)
     got = Linear(model_file, name, mirror_gpu=True)(x)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     exact = Linear(model_file, name, mirror_gpu=False)(x)
-    np.testing.assert_allclose(exact, x.astype(np.float64) @ model_file.dequantize(name).T.astype(np.float64), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        exact, x.astype(np.float64) @ model_file.dequantize(name).T.astype(np.float64), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_text_rope_is_plain_neox_rope():

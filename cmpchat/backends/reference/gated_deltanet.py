@@ -42,7 +42,9 @@ class GatedDeltaNet:
         self.out = Linear(model_file, prefix + "ssm_out.weight", mirror_gpu=mirror_gpu)
         self.dt_bias = model_file.dequantize(prefix + "ssm_dt.bias")
         self.a = model_file.dequantize(prefix + "ssm_a")  # already -exp(A_log)
-        self.conv_weight = model_file.dequantize(prefix + "ssm_conv1d.weight").reshape(config.conv_dim, config.conv_kernel)
+        self.conv_weight = model_file.dequantize(prefix + "ssm_conv1d.weight").reshape(
+            config.conv_dim, config.conv_kernel
+        )
         self.norm_weight = model_file.dequantize(prefix + "ssm_norm.weight")
 
     def linears(self) -> list[Linear]:
