@@ -31,6 +31,10 @@ class Backend(ABC):
         """Tokens the sequence has consumed so far."""
 
     @abstractmethod
+    def copy_sequence(self, sequence: Any) -> Any:
+        """An independent copy of a sequence's state, e.g. to keep a conversation's prefix for reuse."""
+
+    @abstractmethod
     def prefill(
         self,
         sequence: Any,

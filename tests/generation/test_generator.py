@@ -43,6 +43,9 @@ class ScriptedBackend(Backend):
     def new_sequence(self):
         return {"length": 0}
 
+    def copy_sequence(self, sequence):
+        return dict(sequence)
+
     def sequence_length(self, sequence) -> int:
         return sequence["length"]
 

@@ -47,7 +47,7 @@ def test_batched_decode_equals_single_sequences(backend):
 def test_copied_sequence_continues_identically(backend):
     sequence = backend.new_sequence()
     backend.prefill(sequence, TOKENS[:20])
-    fork = sequence.copy()
+    fork = backend.copy_sequence(sequence)
     np.testing.assert_array_equal(backend.decode([sequence], [5]), backend.decode([fork], [5]))
 
 

@@ -112,6 +112,9 @@ class ReferenceBackend(Backend):
         ]
         return ReferenceSequence(states)
 
+    def copy_sequence(self, sequence: ReferenceSequence) -> ReferenceSequence:
+        return sequence.copy()
+
     def sequence_length(self, sequence: ReferenceSequence) -> int:
         return sequence.length
 
