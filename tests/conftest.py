@@ -20,6 +20,14 @@ os.environ["XDG_CACHE_HOME"] = str(_TEST_HOME / "cache")
 os.environ["XDG_DATA_HOME"] = str(_TEST_HOME / "data")
 os.environ["XDG_CONFIG_HOME"] = str(_TEST_HOME / "config")
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Kernel tests run under Numba's CUDA simulator unless GPU tests were asked for (`-m gpu`)."""
+    selected = (config.getoption("-m") or "").replace("not gpu", "")
+    if "gpu" not in selected:
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+
 TINY_MERGES = ["H e", "l l", "ll o"]
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
 

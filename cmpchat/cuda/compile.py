@@ -1,0 +1,45 @@
+"""The `kernel` decorator: a lazily compiled Numba-CUDA kernel, listed with its launch signatures.
+
+The registry lets the PTX check compile every engine kernel for compute_70 on a machine without a GPU
+(`python -m cmpchat.cuda.ptx_check`) and lets the GPU tests find every kernel's SASS. Signatures are
+Numba signature strings for the argument types the engine launches the kernel with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from numba import cuda
+
+from cmpchat.cuda.intrinsics import SIMULATOR
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    module: str
+    signatures: tuple[str, ...]
+    dispatcher: Any
+
+
+KERNELS: list[KernelSpec] = []
+
+
+def kernel(*signatures: str, exempt_from_tensor_core_check: bool = False) -> Callable[[Callable[..., None]], Any]:
+    """Define a kernel compiled on first launch (cached on disk) and register its signatures.
+
+    Only the hardware probe of `cmpchat doctor --tensor-cores` may pass `exempt_from_tensor_core_check`.
+    """
+    if not signatures:
+        raise ValueError("a kernel needs at least one launch signature for the PTX check")
+
+    def define(function: Callable[..., None]) -> Any:
+        dispatcher = cuda.jit(function) if SIMULATOR else cuda.jit(cache=True)(function)
+        spec = KernelSpec(function.__qualname__, function.__module__, signatures, dispatcher)
+        if not exempt_from_tensor_core_check:
+            KERNELS.append(spec)
+        return dispatcher
+
+    return define

@@ -1,0 +1,141 @@
+"""The GPU primitives Numba lacks, written as inline PTX, each with a pure-Python body for the simulator.
+
+Numba-CUDA has no `dp4a` and the CUDA simulator (CI has no GPU) runs no inline PTX and no warp shuffles.
+Every kernel uses these names, so the simulator exercises the same kernel bodies with the fallbacks:
+
+- `dp4a(a, b, c)`: c + dot of the four signed bytes packed in a and in b (int32).
+- `shfl_xor_f32(value, lane_mask)` / `shfl_xor_i32`: the value of lane `lane ^ lane_mask`. The fallback
+  goes through shared memory and block-wide barriers, so under the simulator every thread of the block
+  must call it together (kernels call the reductions below from uniform control flow).
+- `warp_sum_f32`, `warp_max_f32`: butterfly reductions; every lane gets the result.
+- `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
+  read-only path, for streaming weights.
+
+No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from numba import cuda, int32, types, uint32
+from numba.cuda import config
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+WARP_SIZE = 32
+MAX_BLOCK_THREADS = 1024
+
+if SIMULATOR:
+
+    def _signed_byte(word: int, shift: int) -> int:
+        byte = (int(word) >> shift) & 0xFF
+        return byte - 256 if byte >= 128 else byte
+
+    @cuda.jit(device=True)
+    def dp4a(a, b, c):
+        total = int(c)
+        for shift in (0, 8, 16, 24):
+            total += _signed_byte(a, shift) * _signed_byte(b, shift)
+        return int32(total)
+
+    @cuda.jit(device=True)
+    def _thread_rank():
+        return cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
+
+    @cuda.jit(device=True)
+    def shfl_xor_f32(value, lane_mask):
+        exchange = cuda.shared.array(MAX_BLOCK_THREADS, types.float32)
+        rank = _thread_rank()
+        exchange[rank] = value
+        cuda.syncthreads()
+        partner = exchange[rank ^ lane_mask]
+        cuda.syncthreads()
+        return partner
+
+    @cuda.jit(device=True)
+    def shfl_xor_i32(value, lane_mask):
+        exchange = cuda.shared.array(MAX_BLOCK_THREADS, types.int32)
+        rank = _thread_rank()
+        exchange[rank] = value
+        cuda.syncthreads()
+        partner = exchange[rank ^ lane_mask]
+        cuda.syncthreads()
+        return partner
+
+    @cuda.jit(device=True)
+    def load_u32x4(array, index):
+        return array[index], array[index + 1], array[index + 2], array[index + 3]
+
+else:
+    from llvmlite import ir
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def dp4a(typingctx, a, b, c):
+        signature = int32(int32, int32, int32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, args)
+
+        return signature, codegen
+
+    _FULL_MASK = 0xFFFFFFFF
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor_f32(value, lane_mask):
+        return cuda.shfl_xor_sync(_FULL_MASK, value, lane_mask)
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor_i32(value, lane_mask):
+        return cuda.shfl_xor_sync(_FULL_MASK, value, lane_mask)
+
+    @intrinsic
+    def load_u32x4(typingctx, array, index):
+        if not (isinstance(array, types.Array) and array.dtype == uint32 and isinstance(index, types.Integer)):
+            return None
+        result = types.UniTuple(uint32, 4)
+        signature = result(array, index)
+
+        def codegen(context, builder, sig, args):
+            array_value, index_value = args
+            array_struct = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=array_value)
+            pointer = builder.gep(array_struct.data, [index_value])
+            i32 = ir.IntType(32)
+            struct = ir.LiteralStructType([i32, i32, i32, i32])
+            asm = ir.InlineAsm(
+                ir.FunctionType(struct, [pointer.type]),
+                "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+                "=r,=r,=r,=r,l",
+            )
+            loaded = builder.call(asm, [pointer])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, i) for i in range(4)])
+
+        return signature, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum_f32(value):
+    offset = WARP_SIZE // 2
+    while offset > 0:
+        value += shfl_xor_f32(value, offset)
+        offset //= 2
+    return value
+
+
+@cuda.jit(device=True, inline=True)
+def warp_max_f32(value):
+    offset = WARP_SIZE // 2
+    while offset > 0:
+        value = max(value, shfl_xor_f32(value, offset))
+        offset //= 2
+    return value
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum_i32(value):
+    offset = WARP_SIZE // 2
+    while offset > 0:
+        value += shfl_xor_i32(value, offset)
+        offset //= 2
+    return value

@@ -1,0 +1,64 @@
+"""The intrinsics' simulator bodies (CI has no GPU: the simulator runs no inline PTX and no warp shuffles,
+so these check the fallbacks; the GPU self-test checks the PTX versions against the same numbers)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from cmpchat.cuda.intrinsics import SIMULATOR, dp4a, load_u32x4, warp_max_f32, warp_sum_f32, warp_sum_i32
+
+
+def test_runs_under_the_simulator():
+    assert SIMULATOR
+
+
+def packed(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.int8).view(np.int32)
+
+
+def test_dp4a_is_a_signed_byte_dot_product():
+    @cuda.jit
+    def run(a, b, c, out):
+        i = cuda.grid(1)
+        if i < out.size:
+            out[i] = dp4a(a[i], b[i], c[i])
+
+    rng = np.random.default_rng(0)
+    a8 = rng.integers(-128, 128, (64, 4))
+    b8 = rng.integers(-128, 128, (64, 4))
+    c = rng.integers(-1000, 1000, 64).astype(np.int32)
+    out = np.zeros(64, dtype=np.int32)
+    run[2, 32](packed(a8).ravel(), packed(b8).ravel(), c, out)
+    np.testing.assert_array_equal(out, (a8 * b8).sum(axis=1) + c)
+
+
+def test_warp_reductions_give_every_lane_the_result():
+    @cuda.jit
+    def run(x, sums, maxes, ints):
+        i = cuda.grid(1)
+        sums[i] = warp_sum_f32(x[i])
+        maxes[i] = warp_max_f32(x[i])
+        ints[i] = warp_sum_i32(i)
+
+    x = np.random.default_rng(1).standard_normal(64).astype(np.float32)
+    sums, maxes, ints = np.zeros(64, np.float32), np.zeros(64, np.float32), np.zeros(64, np.int32)
+    run[1, 64](x, sums, maxes, ints)
+    for warp in range(2):
+        lanes = slice(32 * warp, 32 * warp + 32)
+        np.testing.assert_allclose(sums[lanes], x[lanes].sum(), rtol=1e-5)
+        np.testing.assert_array_equal(maxes[lanes], x[lanes].max())
+        np.testing.assert_array_equal(ints[lanes], np.arange(64)[lanes].sum())
+
+
+def test_load_u32x4_reads_four_words():
+    @cuda.jit
+    def run(words, out):
+        i = cuda.grid(1)
+        a, b, c, d = load_u32x4(words, 4 * i)
+        out[i] = a + b + c + d
+
+    words = np.arange(32, dtype=np.uint32)
+    out = np.zeros(8, dtype=np.uint32)
+    run[1, 8](words, out)
+    np.testing.assert_array_equal(out, words.reshape(8, 4).sum(axis=1))
