@@ -49,19 +49,24 @@ class Backend(ABC):
         """
 
     @abstractmethod
-    def decode(self, sequences: Sequence[Any], tokens: Sequence[int]) -> np.ndarray:
-        """One token for each sequence in one step; logits [B, vocab]."""
+    def decode(self, sequences: Sequence[Any], tokens: Sequence[int]) -> Any:
+        """One token for each sequence in one step; logits [B, vocab] (a device handle on GPU backends:
+        pass it to `sample`, or to `to_host` when the values themselves are needed)."""
+
+    def to_host(self, logits: Any) -> np.ndarray:
+        """Logits as a host array (a copy from the GPU on GPU backends: 1 MB per row, so only when asked)."""
+        return np.asarray(logits)
 
     def release(self, sequence: Any) -> None:  # noqa: B027 (optional hook)
         """Give back what the sequence holds. The reference backend holds nothing outside the object."""
 
     def sample(
         self,
-        logits: np.ndarray,
+        logits: Any,
         params: Sequence[SamplingParams],
         histories: Sequence[Sequence[int]],
         rngs: Sequence[np.random.Generator],
     ) -> list[int]:
         """Pick the next token for each row of `logits` (host-side by default; GPU backends sample on the GPU)."""
-        rows = np.atleast_2d(logits)
+        rows = np.atleast_2d(self.to_host(logits))
         return [sample_token(row, p, h, r) for row, p, h, r in zip(rows, params, histories, rngs, strict=True)]

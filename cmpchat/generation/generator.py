@@ -73,7 +73,7 @@ class Generator:
                     reply.cancel()
                     break
                 step_start = time.perf_counter()
-                logits = backend.decode([sequence], [token])[0]
+                logits = backend.decode([sequence], [token])
                 decode_seconds += time.perf_counter() - step_start
                 decode_steps += 1
                 yield DecodeProgress(reply.generated, decode_steps / decode_seconds if decode_seconds > 0 else 0.0)
