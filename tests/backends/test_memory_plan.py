@@ -14,7 +14,9 @@ GIB = 2**30
 
 def config_of(shape_name: str) -> tuple[ModelConfig, int, int]:
     shape = MODEL_SHAPES[shape_name]
-    kinds = tuple(LayerKind.ATTENTION if shape.is_attention(i) else LayerKind.RECURRENT for i in range(shape.num_layers))
+    kinds = tuple(
+        LayerKind.ATTENTION if shape.is_attention(i) else LayerKind.RECURRENT for i in range(shape.num_layers)
+    )
     config = ModelConfig(
         name=shape_name,
         vocab_size=shape.vocab_size,

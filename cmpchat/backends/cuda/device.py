@@ -1,0 +1,65 @@
+"""Finding the GPU and how much of its memory cmpchat may use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cmpchat.errors import CmpchatError
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    index: int
+    name: str
+    compute_capability: tuple[int, int]
+    free_bytes: int
+    total_bytes: int
+
+
+def cuda_gpu_present() -> bool:
+    """Whether a real NVIDIA GPU and driver are usable (never true under Numba's CUDA simulator)."""
+    try:
+        from numba.cuda import config
+
+        if config.ENABLE_CUDASIM:
+            return False
+        from numba import cuda
+
+        return bool(cuda.is_available()) and len(cuda.gpus) > 0
+    except Exception:  # no driver, broken install: the CPU backend still works
+        return False
+
+
+def gpu_info(index: int = 0) -> GpuInfo:
+    from numba import cuda
+
+    if not cuda_gpu_present():
+        raise CmpchatError("no NVIDIA GPU is usable (no driver or no device); use --backend cpu")
+    if index >= len(cuda.gpus):
+        raise CmpchatError(f"GPU {index} does not exist; this machine has {len(cuda.gpus)}")
+    with cuda.gpus[index]:
+        device = cuda.get_current_device()
+        free, total = cuda.current_context().get_memory_info()
+        name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
+        return GpuInfo(index, name, tuple(device.compute_capability), int(free), int(total))
+
+
+def usable_bytes(info: GpuInfo, cap_bytes: int | None) -> int:
+    """Memory cmpchat may plan with: what is free, capped by `--gpu-mem` (to emulate a 16 GB card)."""
+    if cap_bytes is not None:
+        if cap_bytes <= 0:
+            raise CmpchatError("--gpu-mem must be a positive size, e.g. 16G")
+        return min(info.free_bytes, cap_bytes)
+    return info.free_bytes
+
+
+def parse_size(text: str) -> int:
+    """'16G', '15.5GiB', '800M', '17179869184' → bytes (powers of two)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (cleaned[:-1], cleaned[-1]) if cleaned and cleaned[-1] in units else (cleaned, "")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise CmpchatError(f"cannot read the size '{text}'; write it like 16G or 800M") from None
+    return int(value)
