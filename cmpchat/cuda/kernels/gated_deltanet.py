@@ -1,0 +1,460 @@
+"""Gated DeltaNet decode step: one token for each of B sequences, in two launches (QWEN35.md "Gated DeltaNet").
+
+Input: the fp32 output of the fused input projection, one row per sequence,
+`projection [B, P]`, P = conv_dim + Hv*dv + 2*Hv, columns
+    [ q: Hk*dk | k: Hk*dk | v: Hv*dv ]  (= qkv, conv_dim channels, raw, before the conv)
+    [ z: Hv*dv ]                        (output gate, head-major)
+    [ b: Hv ]                           (beta logits)
+    [ a: Hv ]                           (alpha logits)
+i.e. the rows of attn_qkv, attn_gate, ssm_beta, ssm_alpha stacked in that order into one weight.
+
+State, per GDN layer, in slots (any number; `slots[B] int32`, in device memory, maps batch row -> slot; a
+negative slot marks an idle row whose output is zeroed and whose state is untouched, so one captured graph
+serves any set of active sequences; a slot must not appear twice in one step):
+    conv_state  [S, K-1, conv_dim] fp32  the last K-1 raw qkv inputs, oldest first (RecurrentState.conv)
+    delta_state [S, Hv, dk, dv]    fp32  S_h, row index = key dim (RecurrentState.delta)
+Both are updated in place. Output: `out [B, Hv*dv]` fp32 = RMSNorm(o_h) * ssm_norm.weight * silu(z_h),
+heads concatenated: the input of ssm_out's activation quantisation.
+
+Why two launches: the q/k channels of key head kh are read by every value head h with h % Hk == kh, so a
+kernel with one block per value head could not also shift their conv state in place without a grid-wide
+ordering. Launch 1 (`gdn_conv_step`, grid (2Hk+Hv, B), one thread per channel) does the conv, SiLU, the
+state shift and the q/k L2 normalisation, writing the mixed q|k|v back over the projection's qkv columns
+(same thread reads then writes the same element, so in place is safe) or into a separate buffer.
+Launch 2 (`gdn_recurrent_step`, grid (Hv, B)) streams the fp32 state: block (dv, dk/ROWS_PER_THREAD),
+thread (j, g) owns column j of S_h for rows g*ROWS_PER_THREAD .. +ROWS_PER_THREAD-1 in registers, so S is
+read once and written once; a warp reads 32 consecutive columns of one row (128 contiguous bytes). The
+two reductions over rows (u = S'ᵀk, o = Sᵀq) go through shared memory, the RMSNorm over columns through
+warp sums.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numba import cuda, float32
+
+from cmpchat.cuda.compile import kernel
+from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, warp_sum_f32
+from cmpchat.cuda.kernels.elementwise import sigmoid, silu, softplus
+from cmpchat.cuda.kernels.quantize import check_array
+from cmpchat.cuda.launch import Launch
+
+if TYPE_CHECKING:
+    from cmpchat.model.config import ModelConfig
+
+ROWS_PER_THREAD = 16
+"""State rows (key dims) each thread of the recurrent kernel keeps in registers; dk=128 -> 1024 threads."""
+MAX_HEAD_DIM = 256
+L2_NORM_EPS = float32(1e-6)  # the reference's L2_NORM_EPS
+_ZERO = float32(0.0)
+_ONE = float32(1.0)
+
+_CONV_SIGNATURE = (
+    "void(float32[:, ::1], float32[:, ::1], float32[:, :, ::1], int32[::1], float32[:, ::1], "
+    "int32, int32, int32, float32)"
+)
+_RECURRENT_SIGNATURE = (
+    "void(float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[::1], "
+    "float32[:, :, :, ::1], int32[::1], float32[:, ::1], int32, float32)"
+)
+
+
+# -- device helpers ----------------------------------------------------------------------------------
+
+
+@cuda.jit(device=True, inline=True)
+def _block_sum(value, warp_totals):
+    """Sum of `value` over the whole block, returned to every thread. All threads must call it together;
+    block size a multiple of 32; `warp_totals` a shared float32 array of >= 32 entries."""
+    total = warp_sum_f32(value)
+    thread = cuda.threadIdx.x + cuda.blockDim.x * cuda.threadIdx.y
+    if thread % WARP_SIZE == 0:
+        warp_totals[thread // WARP_SIZE] = total
+    cuda.syncthreads()
+    result = _ZERO
+    for warp in range((cuda.blockDim.x * cuda.blockDim.y) // WARP_SIZE):
+        result += warp_totals[warp]
+    cuda.syncthreads()  # warp_totals may be reused right after
+    return result
+
+
+# -- kernels -----------------------------------------------------------------------------------------
+
+
+@kernel(_CONV_SIGNATURE)
+def gdn_conv_step(projection, conv_weight, conv_state, slots, mixed, num_k_heads, k_head_dim, v_head_dim, q_scale):
+    """Block (head, row): heads 0..Hk-1 are q, Hk..2Hk-1 are k, then Hv value heads; thread = channel.
+
+    mixed[row, ch] = silu(causal conv) for ch < conv_dim, q/k then L2-normalised per head and q scaled.
+    `mixed` may be `projection` itself (each element is read and written by the same thread).
+    """
+    lane = cuda.threadIdx.x
+    head = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    slot = slots[row]
+    if slot < 0:
+        return  # idle row (uniform over the block, so no barrier is skipped by part of it)
+    warp_totals = cuda.shared.array(WARP_SIZE, float32)
+    qk_heads = 2 * num_k_heads
+    if head < qk_heads:
+        width = k_head_dim
+        channel = head * k_head_dim + lane
+    else:
+        width = v_head_dim
+        channel = qk_heads * k_head_dim + (head - qk_heads) * v_head_dim + lane
+    value = _ZERO
+    if lane < width:
+        taps = conv_weight.shape[1]
+        current = projection[row, channel]
+        total = _ZERO
+        # Tap 0 is the oldest input, tap K-1 the current one (summed in the reference's order). The shift
+        # of the carried history happens as it is read: this thread alone owns the channel.
+        for tap in range(taps - 1):
+            past = conv_state[slot, tap, channel]
+            total += past * conv_weight[channel, tap]
+            if tap > 0:
+                conv_state[slot, tap - 1, channel] = past
+        total += current * conv_weight[channel, taps - 1]
+        conv_state[slot, taps - 2, channel] = current
+        value = silu(total)
+    if head < qk_heads:  # uniform over the block
+        squares = _block_sum(value * value, warp_totals)
+        value = value / float32(math.sqrt(squares + L2_NORM_EPS))
+        if head < num_k_heads:
+            value *= q_scale
+    if lane < width:
+        mixed[row, channel] = value
+
+
+@kernel(_RECURRENT_SIGNATURE, launch_bounds=MAX_BLOCK_THREADS)
+def gdn_recurrent_step(projection, mixed, ssm_a, dt_bias, norm_weight, delta_state, slots, out, num_k_heads, rms_eps):
+    """Block (value head h, row), threads (column j, row group g): the delta rule on S_h, then the gated norm."""
+    column = cuda.threadIdx.x
+    group = cuda.threadIdx.y
+    head = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    num_v_heads = delta_state.shape[1]
+    k_dim = delta_state.shape[2]
+    v_dim = delta_state.shape[3]
+    slot = slots[row]
+    if slot < 0:
+        if group == 0:
+            out[row, head * v_dim + column] = _ZERO  # downstream quantisation must not see stale rows
+        return
+
+    q_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
+    k_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
+    v_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
+    z_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
+    u_partial = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    o_partial = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+    warp_totals = cuda.shared.array(WARP_SIZE, float32)
+    thread = column + v_dim * group
+    first_row = group * ROWS_PER_THREAD
+
+    # Issue the state loads first: they are the whole cost, everything else hides behind them.
+    head_state = delta_state[slot, head]  # [dk, dv] view
+    state = cuda.local.array(ROWS_PER_THREAD, float32)
+    for m in range(ROWS_PER_THREAD):
+        state[m] = head_state[first_row + m, column]
+
+    # The per-head vectors go through shared memory rather than registers: with 1024 threads a thread has
+    # 64 registers, and the 16 state values must stay in them.
+    key_head = head % num_k_heads  # GGUF order: value head h reads key head h % Hk
+    if thread < k_dim:
+        q_shared[thread] = mixed[row, key_head * k_dim + thread]
+        k_shared[thread] = mixed[row, (num_k_heads + key_head) * k_dim + thread]
+    conv_dim = 2 * num_k_heads * k_dim + num_v_heads * v_dim
+    if group == 0:
+        v_shared[column] = mixed[row, 2 * num_k_heads * k_dim + head * v_dim + column]
+        z_shared[column] = projection[row, conv_dim + head * v_dim + column]
+    beta = sigmoid(projection[row, conv_dim + num_v_heads * v_dim + head])
+    a_logit = projection[row, conv_dim + num_v_heads * v_dim + num_v_heads + head]
+    decay = float32(math.exp(ssm_a[head] * softplus(a_logit + dt_bias[head])))  # alpha = exp(g), g <= 0
+    cuda.syncthreads()  # q, k, v, z staged
+
+    partial = _ZERO
+    for m in range(ROWS_PER_THREAD):
+        state[m] *= decay
+        partial += state[m] * k_shared[first_row + m]
+    u_partial[thread] = partial
+    cuda.syncthreads()
+    read = _ZERO  # u_j = (S'ᵀk)_j, read with the already decayed state
+    for g in range(cuda.blockDim.y):
+        read += u_partial[column + v_dim * g]
+    delta = beta * (v_shared[column] - read)
+
+    partial = _ZERO
+    for m in range(ROWS_PER_THREAD):
+        updated = state[m] + k_shared[first_row + m] * delta
+        head_state[first_row + m, column] = updated
+        partial += updated * q_shared[first_row + m]
+    o_partial[thread] = partial
+    cuda.syncthreads()
+    o = _ZERO
+    for g in range(cuda.blockDim.y):
+        o += o_partial[column + v_dim * g]
+
+    squares = _block_sum(o * o if group == 0 else _ZERO, warp_totals)
+    if group == 0:
+        inverse_rms = _ONE / float32(math.sqrt(squares / float32(v_dim) + rms_eps))
+        out[row, head * v_dim + column] = o * inverse_rms * norm_weight[column] * silu(z_shared[column])
+
+
+
+
+# -- launcher ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GatedDeltaNetShape:
+    """The sizes one GDN layer's decode step needs (all from ModelConfig)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    rms_eps: float
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError("GDN value heads must be a multiple of key heads")
+        if self.k_head_dim % WARP_SIZE or self.v_head_dim % WARP_SIZE:
+            raise ValueError(
+                f"GDN head sizes must be multiples of {WARP_SIZE}, got dk={self.k_head_dim} dv={self.v_head_dim}"
+            )
+        if max(self.k_head_dim, self.v_head_dim) > MAX_HEAD_DIM:
+            raise ValueError(f"GDN head sizes above {MAX_HEAD_DIM} are not supported")
+        if self.k_head_dim % ROWS_PER_THREAD:
+            raise ValueError(f"GDN key head size must be a multiple of {ROWS_PER_THREAD}")
+        if self.v_head_dim * (self.k_head_dim // ROWS_PER_THREAD) > MAX_BLOCK_THREADS:
+            raise ValueError(
+                f"GDN heads {self.k_head_dim}x{self.v_head_dim} need more than {MAX_BLOCK_THREADS} threads"
+            )
+        if self.conv_kernel < 2:
+            raise ValueError("GDN conv kernel must be at least 2 wide")
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> GatedDeltaNetShape:
+        return cls(
+            config.num_k_heads,
+            config.num_v_heads,
+            config.k_head_dim,
+            config.v_head_dim,
+            config.conv_kernel,
+            config.rms_eps,
+        )
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    @property
+    def projection_width(self) -> int:
+        """Columns of the fused input projection: qkv | z | b | a."""
+        return self.conv_dim + self.num_v_heads * self.v_head_dim + 2 * self.num_v_heads
+
+    @property
+    def output_width(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    def delta_state_bytes(self, batch: int) -> int:
+        """fp32 recurrent state one step reads (and writes again) for `batch` sequences."""
+        return 4 * batch * self.num_v_heads * self.k_head_dim * self.v_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class GatedDeltaNetWeights:
+    """One layer's small fp32 tensors, on the device (or numpy arrays under the simulator)."""
+
+    conv_weight: Any
+    """[conv_dim, K]: ssm_conv1d.weight as the reference reshapes it (tap K-1 = current token)."""
+    ssm_a: Any
+    """[Hv]: ssm_a, already -exp(A_log)."""
+    dt_bias: Any
+    """[Hv]: ssm_dt.bias."""
+    norm_weight: Any
+    """[dv]: ssm_norm.weight, shared by all heads."""
+
+
+def decode_step(
+    shape: GatedDeltaNetShape,
+    weights: GatedDeltaNetWeights,
+    projection: Any,
+    conv_state: Any,
+    delta_state: Any,
+    slots: Any,
+    out: Any,
+    mixed: Any = None,
+) -> tuple[Launch, Launch]:
+    """The two launches of one GDN layer's decode step for B = projection.shape[0] sequences.
+
+    projection [B, P] fp32 (layout in the module docstring; its qkv columns are overwritten with the mixed
+    q|k|v unless `mixed` [B, conv_dim] is given), conv_state [S, K-1, conv_dim] and delta_state
+    [S, Hv, dk, dv] fp32 (updated in place), slots [B] int32 (slot per row, < 0 = idle row; no slot may
+    appear twice), out [B, Hv*dv] fp32. All C-contiguous.
+    """
+    batch, width = check_array(projection, "projection", np.float32, 2)
+    if width != shape.projection_width:
+        raise ValueError(f"projection must have {shape.projection_width} columns (qkv | z | b | a), got {width}")
+    num_slots = check_array(conv_state, "conv_state", np.float32, 3)[0]
+    check_array(conv_state, "conv_state", np.float32, 3, (num_slots, shape.conv_kernel - 1, shape.conv_dim))
+    state_shape = (num_slots, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim)
+    check_array(delta_state, "delta_state", np.float32, 4, state_shape)
+    check_array(slots, "slots", np.int32, 1, (batch,))
+    check_array(out, "out", np.float32, 2, (batch, shape.output_width))
+    if mixed is None:
+        mixed = projection
+    else:
+        check_array(mixed, "mixed", np.float32, 2, (batch, shape.conv_dim))
+    check_array(weights.conv_weight, "weights.conv_weight", np.float32, 2, (shape.conv_dim, shape.conv_kernel))
+    check_array(weights.ssm_a, "weights.ssm_a", np.float32, 1, (shape.num_v_heads,))
+    check_array(weights.dt_bias, "weights.dt_bias", np.float32, 1, (shape.num_v_heads,))
+    check_array(weights.norm_weight, "weights.norm_weight", np.float32, 1, (shape.v_head_dim,))
+    if batch == 0:
+        raise ValueError("a decode step needs at least one row")
+
+    num_k_heads = np.int32(shape.num_k_heads)
+    conv = Launch(
+        gdn_conv_step,
+        grid=(2 * shape.num_k_heads + shape.num_v_heads, batch),
+        block=(max(shape.k_head_dim, shape.v_head_dim),),
+        args=(
+            projection,
+            weights.conv_weight,
+            conv_state,
+            slots,
+            mixed,
+            num_k_heads,
+            np.int32(shape.k_head_dim),
+            np.int32(shape.v_head_dim),
+            np.float32(shape.k_head_dim**-0.5),  # rounded as the reference rounds it
+        ),
+    )
+    recurrent = Launch(
+        gdn_recurrent_step,
+        grid=(shape.num_v_heads, batch),
+        block=(shape.v_head_dim, shape.k_head_dim // ROWS_PER_THREAD),
+        args=(
+            projection,
+            mixed,
+            weights.ssm_a,
+            weights.dt_bias,
+            weights.norm_weight,
+            delta_state,
+            slots,
+            out,
+            num_k_heads,
+            np.float32(shape.rms_eps),
+        ),
+    )
+    return conv, recurrent
+
+
+# -- micro-benchmark (GPU only) ----------------------------------------------------------------------
+
+
+@kernel("void(float32[::1], int64)")
+def _busy_wait(sink, iterations):
+    """A dependent FMA chain that keeps the GPU busy while the host queues the timed launches."""
+    x = float32(cuda.threadIdx.x)
+    for _ in range(iterations):
+        x = x * float32(0.9999999) + float32(1e-7)
+    if x == float32(-1.0):  # never true; keeps the loop alive
+        sink[0] = x
+
+
+def benchmark_decode_step(
+    shape: GatedDeltaNetShape,
+    batch: int,
+    *,
+    steps: int = 100,
+    min_state_bytes: int = 256 << 20,
+    spin_iterations: int = 1 << 24,
+    seed: int = 0,
+) -> dict[str, float | bool]:
+    """Time the decode step on the current GPU with CUDA events; returns microseconds and GB/s.
+
+    Numba's own launch path costs ~20 us per launch, more than the kernels take, so a busy-wait kernel
+    runs first and the timed launches queue up behind it: the events then see GPU time only
+    (`gpu_bound` says whether the queue stayed ahead; the wait grows and the timing is retried if not). The state is
+    spread over enough copies (`min_state_bytes`, several times the L2) that every step reads DRAM.
+    `state_gbps` counts the fp32 state read + written by the recurrent kernel; `copy_gbps` is a
+    device-to-device copy of the same total size in the same run (read + write), the practical limit.
+    """
+    rng = np.random.default_rng(seed)
+    stream = cuda.stream()
+    per_layer = shape.delta_state_bytes(batch)
+    copies = max(2, -(-min_state_bytes // per_layer))
+    f32 = np.float32
+    weights = GatedDeltaNetWeights(
+        cuda.to_device((0.3 * rng.standard_normal((shape.conv_dim, shape.conv_kernel))).astype(f32)),
+        cuda.to_device(-np.exp(rng.standard_normal(shape.num_v_heads)).astype(f32)),
+        cuda.to_device(rng.standard_normal(shape.num_v_heads).astype(f32)),
+        cuda.to_device((1.0 + 0.1 * rng.standard_normal(shape.v_head_dim)).astype(f32)),
+    )
+    projection = cuda.to_device(rng.standard_normal((batch, shape.projection_width)).astype(f32))
+    mixed = cuda.device_array((batch, shape.conv_dim), f32)
+    out = cuda.device_array((batch, shape.output_width), f32)
+    slots = cuda.to_device(np.arange(batch, dtype=np.int32))
+    conv_template = cuda.to_device(np.zeros((batch, shape.conv_kernel - 1, shape.conv_dim), f32))
+    state_template = cuda.to_device(
+        (0.05 * rng.standard_normal((batch, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim))).astype(f32)
+    )
+    steps_launches = []
+    for _ in range(copies):
+        conv_state = cuda.device_array_like(conv_template)
+        conv_state.copy_to_device(conv_template)
+        delta_state = cuda.device_array_like(state_template)
+        delta_state.copy_to_device(state_template)  # device to device: no PCIe traffic
+        steps_launches.append(decode_step(shape, weights, projection, conv_state, delta_state, slots, out, mixed))
+    sink = cuda.device_array(1, f32)
+
+    def time_us(run_step: Any, repeats: int) -> tuple[float, bool]:
+        run_step(0)  # compile and warm up
+        spin = spin_iterations
+        for _attempt in range(3):  # a longer busy-wait if the host fell behind the GPU
+            stream.synchronize()
+            start, end = cuda.event(), cuda.event()
+            _busy_wait[1, 32, stream](sink, spin)
+            start.record(stream)
+            for step in range(repeats):
+                run_step(step)
+            end.record(stream)
+            queued_in_time = not start.query()
+            end.synchronize()
+            if queued_in_time:
+                break
+            spin *= 4
+        return 1e3 * cuda.event_elapsed_time(start, end) / repeats, queued_in_time
+
+    def launcher(which: slice) -> Any:
+        def run_step(step: int) -> None:
+            for launch in steps_launches[step % copies][which]:
+                launch.run(stream)
+
+        return run_step
+
+    step_us, ok_step = time_us(launcher(slice(0, 2)), steps)
+    conv_us, ok_conv = time_us(launcher(slice(0, 1)), steps)
+    recurrent_us, ok_recurrent = time_us(launcher(slice(1, 2)), steps)
+
+    copy_words = copies * per_layer // 4
+    source, target = cuda.device_array(copy_words, f32), cuda.device_array(copy_words, f32)
+    copy_us, ok_copy = time_us(lambda step: target.copy_to_device(source, stream=stream), 5)
+    return {
+        "batch": batch,
+        "state_bytes_per_step": 2 * per_layer,
+        "step_us": step_us,
+        "conv_us": conv_us,
+        "recurrent_us": recurrent_us,
+        "state_gbps": 2 * per_layer / recurrent_us / 1e3,
+        "copy_gbps": 2 * 4 * copy_words / copy_us / 1e3,
+        "state_to_copy_ratio": (2 * per_layer / recurrent_us) / (2 * 4 * copy_words / copy_us),
+        "gpu_bound": ok_step and ok_conv and ok_recurrent and ok_copy,
+    }
