@@ -1,0 +1,216 @@
+"""The GPU test run behind `cuda/gpu_run.sh` (which installs the carried wheels first; run that, not this).
+
+Phases, each timed: the environment (versions, GPU), the GPU self-test (tests/cuda/test_gpu_selftest.py:
+intrinsics, raw launch, graph replay; if it fails nothing else runs), then every test module that has GPU
+tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in full mode each
+`cuda/bench_*.py` benchmark, which reports by printing lines `BENCH {json}`.
+
+Results go to the results folder: log.txt (written by gpu_run.sh), selftest.xml and tests.xml (JUnit,
+with the properties tests record, e.g. launch overheads), summary.json and summary.txt, so a later session
+can compare runs. Standard library only: it must run before anything else is known to work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SELFTEST = "tests/cuda/test_gpu_selftest.py"
+PACKAGES = ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "gguf", "pytest", "torch")
+MARKERS = {"quick": "gpu and not slow", "full": "gpu"}
+GPU_MARK = re.compile(r"(pytest\.)?mark\.gpu\b")
+
+
+def environment() -> dict:
+    """Versions and the GPU, read without importing anything that might fail."""
+    info: dict = {"python": sys.version.split()[0], "platform": platform.platform(), "packages": {}}
+    for name in PACKAGES:
+        try:
+            info["packages"][name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            info["packages"][name] = None
+    info["nvidia_smi"] = _output(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    )
+    probe = "from numba import cuda; d = cuda.get_current_device(); print(d.name, d.compute_capability)"
+    info["numba_device"] = _output([sys.executable, "-c", probe], timeout=120)
+    info["commit"] = _output(["git", "-C", str(REPO), "rev-parse", "HEAD"])
+    return info
+
+
+def gpu_test_files() -> list[str]:
+    """Test modules with GPU tests, the self-test excepted (collecting only these keeps modules that need
+    packages absent on the GPU machine, like the TUI's, out of the run)."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        relative = path.relative_to(REPO).as_posix()
+        if relative != SELFTEST and GPU_MARK.search(path.read_text(errors="replace")):
+            found.append(relative)
+    return found
+
+
+def run_pytest(files: list[str], marker: str, junit: Path, timeout: int, extra: list[str], deadline: float) -> dict:
+    command = [
+        sys.executable, "-m", "pytest", *files, "-m", marker, f"--junitxml={junit}", "-p", "no:cacheprovider",
+        "-q", "-rfE", "--durations=15", "--continue-on-collection-errors", "-o", "junit_family=xunit1", *extra,
+    ]  # fmt: skip
+    if _installed("pytest-timeout"):
+        command.append(f"--timeout={timeout}")
+    return _timed(command, timeout=max(deadline - time.monotonic(), 1))
+
+
+def run_benchmarks(deadline: float) -> dict:
+    results = {}
+    for script in sorted((REPO / "cuda").glob("bench_*.py")):
+        phase = _timed([sys.executable, str(script)], timeout=max(deadline - time.monotonic(), 1), capture=True)
+        lines = [line[len("BENCH ") :] for line in phase.pop("stdout", "").splitlines() if line.startswith("BENCH ")]
+        phase["results"] = [json.loads(line) for line in lines]
+        results[script.stem] = phase
+    return results
+
+
+def junit_summary(path: Path) -> dict:
+    """Totals, every test's outcome, duration and recorded properties, from a JUnit XML file."""
+    if not path.exists():
+        return {"missing": str(path.name)}
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    totals = {
+        key: sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")
+    }
+    tests = []
+    for case in root.iter("testcase"):
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            if case.find(tag) is not None:
+                outcome = tag
+        entry = {
+            "name": f"{case.get('classname')}::{case.get('name')}",
+            "outcome": outcome,
+            "seconds": float(case.get("time", 0)),
+        }
+        properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if properties:
+            entry["properties"] = properties
+        tests.append(entry)
+    return {**totals, "cases": tests}
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"cmpchat GPU run, mode {summary['mode']}, {summary['started']}"]
+    env = summary["environment"]
+    lines.append(f"GPU: {env['nvidia_smi']} | numba sees: {env['numba_device']}")
+    lines.append("packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v))
+    for name, phase in summary["phases"].items():
+        result = phase.get("junit", {})
+        counts = ", ".join(f"{k} {result[k]}" for k in ("tests", "failures", "errors", "skipped") if k in result)
+        lines.append(f"{name}: exit {phase.get('returncode')} in {phase.get('seconds', 0):.1f} s  {counts}")
+        for case in result.get("cases", []):
+            if case["outcome"] in ("failure", "error"):
+                lines.append(f"  {case['outcome'].upper()} {case['name']}")
+            if "properties" in case:
+                lines.append(f"  {case['name']}: {case['properties']}")
+    for name, bench in summary.get("benchmarks", {}).items():
+        lines.append(f"benchmark {name}: exit {bench['returncode']} in {bench['seconds']:.1f} s  {bench['results']}")
+    lines.append("RESULT: " + ("PASS" if summary["passed"] else "FAIL"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the GPU tests (use cuda/gpu_run.sh).")
+    parser.add_argument("--mode", choices=sorted(MARKERS), default="quick")
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    parser.add_argument(
+        "--budget", type=float, default=560, help="seconds for the whole run (device calls stop at 600)"
+    )
+    parser.add_argument("pytest_args", nargs="*", help="passed on to pytest for the GPU tests")
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.budget
+    args.results.mkdir(parents=True, exist_ok=True)
+    os.chdir(REPO)
+
+    summary: dict = {"mode": args.mode, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "phases": {}}
+    summary["environment"] = environment()
+    print(json.dumps(summary["environment"], indent=1), flush=True)
+
+    selftest_xml = args.results / "selftest.xml"
+    phase = run_pytest([SELFTEST], "gpu", selftest_xml, args.timeout, [], deadline)
+    phase["junit"] = junit_summary(selftest_xml)
+    summary["phases"]["selftest"] = phase
+    _write(summary, args.results)
+    passed = phase["returncode"] == 0
+    if passed:
+        tests_xml = args.results / "tests.xml"
+        files = gpu_test_files()
+        print(f"\nGPU test modules: {' '.join(files)}", flush=True)
+        phase = run_pytest(files, MARKERS[args.mode], tests_xml, args.timeout, args.pytest_args, deadline)
+        phase["junit"] = junit_summary(tests_xml)
+        phase["files"] = files
+        summary["phases"]["gpu_tests"] = phase
+        _write(summary, args.results)
+        passed = phase["returncode"] in (0, 5)  # 5: no GPU tests selected (none written yet)
+        if args.mode == "full":
+            summary["benchmarks"] = run_benchmarks(deadline)
+            passed = passed and all(b["returncode"] == 0 for b in summary["benchmarks"].values())
+    else:
+        print("\nself-test failed: the other GPU tests were not run", flush=True)
+    summary["passed"] = passed
+    _write(summary, args.results)
+    text = format_summary(summary)
+    (args.results / "summary.txt").write_text(text + "\n")
+    print("\n" + text, flush=True)
+    return 0 if passed else 1
+
+
+def _timed(command: list[str], timeout: int | None = None, capture: bool = False) -> dict:
+    """Run a command, its output going to ours (and so to the log); with `capture` its stdout is kept too."""
+    print(f"\n$ {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    try:
+        finished = subprocess.run(
+            command, timeout=timeout, text=True, stdout=subprocess.PIPE if capture else None, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"returncode": "timeout", "seconds": round(time.perf_counter() - start, 2), "stdout": ""}
+    phase = {"returncode": finished.returncode, "seconds": round(time.perf_counter() - start, 2)}
+    if capture:
+        print(finished.stdout, flush=True)
+        phase["stdout"] = finished.stdout
+    return phase
+
+
+def _write(summary: dict, results: Path) -> None:
+    """Written after every phase, so a run cut off by the machine's time limit still leaves its results."""
+    (results / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _output(command: list[str], timeout: int = 30) -> str | None:
+    try:
+        finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"unavailable: {error}"
+    text = (finished.stdout or finished.stderr).strip()
+    return text.splitlines()[-1] if text else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""Raw launches, graphs and device scalars under the CUDA simulator, where they fall back to Numba's own
+launching: engine code written against them runs in CI with the same results as eager launches.
+(tests/cuda/test_launching_gpu.py checks the real driver paths on a GPU.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from cmpchat.cuda import selftest_kernels as k
+from cmpchat.cuda.device_scalars import DeviceScalars
+from cmpchat.cuda.graph import LaunchGraph
+from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.raw_launch import RawLaunch
+
+
+def chain(values, scalars: DeviceScalars) -> list[Launch]:
+    position = scalars["position"]
+    return [
+        Launch(k.add_at_position, 1, 1, (values, position, np.float32(1.0))),
+        Launch(k.scale_all, 1, 32, (values, np.float32(2.0))),
+        Launch(k.add_at_position, 1, 1, (values, position, np.float32(3.0))),
+    ]
+
+
+def expected_chain(values: np.ndarray, position: int) -> np.ndarray:
+    values = values.copy()
+    values[position] += 1
+    values *= 2
+    values[position] += 3
+    return values
+
+
+def test_raw_launch_runs_the_launch():
+    values = cuda.to_device(np.arange(8, dtype=np.float32))
+    RawLaunch(Launch(k.scale_all, 1, 32, (values, np.float32(3.0))))()
+    np.testing.assert_array_equal(values.copy_to_host(), 3 * np.arange(8, dtype=np.float32))
+
+
+def test_graph_replays_read_device_scalars_set_between_replays():
+    start = np.linspace(0, 1, 8, dtype=np.float32)
+    values = cuda.to_device(start)
+    scalars = DeviceScalars(("position",))
+    stream = cuda.stream()
+    graph = LaunchGraph.capture(chain(values, scalars), stream)
+    expected = start
+    for position in (2, 5, 5, 0):
+        scalars.set(position=position)
+        scalars.upload(stream)
+        graph.replay(stream)
+        expected = expected_chain(expected, position)
+    stream.synchronize()
+    np.testing.assert_allclose(values.copy_to_host(), expected)
+    assert len(graph) == 3
+
+
+def test_device_scalars_are_one_element_views_of_one_array():
+    scalars = DeviceScalars(("position", "length", "token"))
+    scalars.set(length=17, token=-4)
+    scalars.upload()
+    assert scalars.get("length") == 17
+    np.testing.assert_array_equal(scalars.device.copy_to_host(), [0, 17, -4])
+    assert scalars["token"].copy_to_host().tolist() == [-4]
+    with pytest.raises(ValueError):
+        DeviceScalars(("a", "a"))
