@@ -17,6 +17,7 @@ from typing import Literal
 import numpy as np
 
 from cmpchat.backends.base import Backend
+from cmpchat.backends.cuda.device import cuda_gpu_present
 from cmpchat.backends.reference.model import ReferenceBackend
 from cmpchat.chat.messages import Message, Tool
 from cmpchat.chat.template import ChatFormat, RenderedPrompt
@@ -28,8 +29,8 @@ from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.tokenizer import Tokenizer
 
-BackendName = Literal["auto", "cpu"]
-BACKENDS: tuple[str, ...] = ("auto", "cpu")
+BackendName = Literal["auto", "cpu", "cuda"]
+BACKENDS: tuple[str, ...] = ("auto", "cpu", "cuda")
 
 
 class Model:
@@ -107,12 +108,19 @@ def open_model(
     *,
     backend: BackendName = "auto",
     mirror_gpu: bool = False,
+    sequences: int = 1,
+    context: int | None = None,
+    gpu_mem: int | None = None,
+    use_graphs: bool = True,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Model:
     """Open a GGUF model (None: the demo model, built on first use) on a backend.
 
+    backend: "cuda" (an NVIDIA GPU), "cpu" (the numpy reference) or "auto" (cuda when a GPU is usable).
     `mirror_gpu` makes the CPU reference round as the GPU engine does (int8 activations, fp16 KV cache).
-    `progress(stage, done, total)` reports slow steps such as building the demo model.
+    GPU options: `sequences` decoded together at most, `context` tokens per sequence at most (default:
+    what fits), `gpu_mem` bytes usable per GPU (to emulate a smaller card), `use_graphs` (False: launch
+    kernels one by one, for debugging). `progress(stage, done, total)` reports slow steps.
     """
     if backend not in BACKENDS:
         raise CmpchatError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
@@ -120,9 +128,25 @@ def open_model(
     model_path = ensure_demo_model(progress) if is_demo else Path(path)
     model_file = ModelFile(model_path)
     config = ModelConfig.from_model_file(model_file)
-    if progress is not None:
-        progress("loading the model", 0, 1)
-    engine = ReferenceBackend(model_file, config, mirror_gpu=mirror_gpu)
-    if progress is not None:
-        progress("loading the model", 1, 1)
+    if backend == "auto":
+        backend = "cuda" if cuda_gpu_present() else "cpu"
+    engine: Backend
+    if backend == "cuda":
+        from cmpchat.backends.cuda.model import CudaBackend
+
+        engine = CudaBackend(
+            model_file,
+            config,
+            sequences=sequences,
+            context=context,
+            gpu_mem=gpu_mem,
+            use_graphs=use_graphs,
+            progress=progress,
+        )
+    else:
+        if progress is not None:
+            progress("loading the model", 0, 1)
+        engine = ReferenceBackend(model_file, config, mirror_gpu=mirror_gpu)
+        if progress is not None:
+            progress("loading the model", 1, 1)
     return Model(model_file, engine, is_demo=is_demo)

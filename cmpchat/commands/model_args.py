@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cmpchat.backends.cuda.device import parse_size
 from cmpchat.commands.progress import StderrProgress
 from cmpchat.demo import DEMO_NOTICE
 from cmpchat.engine import BACKENDS, Model, open_model
@@ -12,15 +13,37 @@ from cmpchat.engine import BACKENDS, Model, open_model
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--model", metavar="MODEL", help="GGUF model file (default: the built-in demo model)")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="compute backend (default: auto)")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="compute backend (default: auto = cuda when a GPU is usable)",
+    )
+    parser.add_argument(
+        "--gpu-mem", metavar="SIZE", help="GPU memory cmpchat may use, e.g. 16G (emulates a smaller card)"
+    )
+    parser.add_argument("--ctx", type=int, metavar="N", help="most tokens of context per conversation (GPU)")
+    parser.add_argument("--eager", action="store_true", help="launch GPU kernels one by one (debugging)")
 
 
 def open_from_args(args: argparse.Namespace) -> Model:
     progress = StderrProgress()
     try:
-        model = open_model(args.model, backend=args.backend, progress=progress)
+        model = open_model(
+            args.model,
+            backend=args.backend,
+            gpu_mem=None if args.gpu_mem is None else parse_size(args.gpu_mem),
+            context=args.ctx,
+            use_graphs=not args.eager,
+            progress=progress,
+        )
     finally:
         progress.close()
     if model.is_demo:
         print(f"note: {DEMO_NOTICE}", file=sys.stderr)
+    plan = getattr(model.backend, "plan", None)
+    if plan is not None:
+        print(f"GPU {model.backend.gpu.name}: memory plan", file=sys.stderr)
+        for line in plan.describe():
+            print(f"  {line}", file=sys.stderr)
     return model

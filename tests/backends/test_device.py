@@ -27,8 +27,8 @@ def test_parse_size_refuses_nonsense():
 
 
 def test_gpu_mem_caps_what_is_free():
-    h200 = GpuInfo(0, "H200", (9, 0), free_bytes=139 * GIB, total_bytes=141 * GIB)
+    h200 = GpuInfo(0, "H200", (9, 0), free_bytes=139 * GIB, total_bytes=141 * GIB, multiprocessors=132)
     assert usable_bytes(h200, None) == 139 * GIB
     assert usable_bytes(h200, 16 * GIB) == 16 * GIB
-    busy = GpuInfo(0, "CMP 100-210", (7, 0), free_bytes=10 * GIB, total_bytes=16 * GIB)
+    busy = GpuInfo(0, "CMP 100-210", (7, 0), free_bytes=10 * GIB, total_bytes=16 * GIB, multiprocessors=68)
     assert usable_bytes(busy, 16 * GIB) == 10 * GIB

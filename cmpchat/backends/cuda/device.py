@@ -14,6 +14,7 @@ class GpuInfo:
     compute_capability: tuple[int, int]
     free_bytes: int
     total_bytes: int
+    multiprocessors: int
 
 
 def cuda_gpu_present() -> bool:
@@ -30,9 +31,16 @@ def cuda_gpu_present() -> bool:
         return False
 
 
+SIMULATED_GPU = GpuInfo(0, "Numba CUDA simulator", (7, 0), 16 * 2**30, 16 * 2**30, 4)
+"""What the backend sees under the simulator (CI runs the whole GPU engine there at tiny shapes)."""
+
+
 def gpu_info(index: int = 0) -> GpuInfo:
     from numba import cuda
+    from numba.cuda import config
 
+    if config.ENABLE_CUDASIM:
+        return SIMULATED_GPU
     if not cuda_gpu_present():
         raise CmpchatError("no NVIDIA GPU is usable (no driver or no device); use --backend cpu")
     if index >= len(cuda.gpus):
@@ -41,7 +49,8 @@ def gpu_info(index: int = 0) -> GpuInfo:
         device = cuda.get_current_device()
         free, total = cuda.current_context().get_memory_info()
         name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
-        return GpuInfo(index, name, tuple(device.compute_capability), int(free), int(total))
+        sms = int(device.MULTIPROCESSOR_COUNT)
+        return GpuInfo(index, name, tuple(device.compute_capability), int(free), int(total), sms)
 
 
 def usable_bytes(info: GpuInfo, cap_bytes: int | None) -> int:

@@ -1,0 +1,227 @@
+"""The CUDA backend: Qwen3.5 on one GPU, decode steps replayed from CUDA graphs.
+
+Weights stream from the mapped file to the GPU at load; every sequence owns a slot of preallocated state
+(KV cache pages, GDN conv and delta states), so a decode step allocates nothing and is captured once per
+batch-size bucket (1, 2, 4, 8, 16 rows) as a graph. Prompts are processed one token at a time here (the
+prefill issue makes them fast); logits stay on the GPU unless asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from cmpchat.backends.base import Backend
+from cmpchat.backends.cuda.device import gpu_info, usable_bytes
+from cmpchat.backends.cuda.memory_plan import MemoryPlan, plan_memory, weight_bytes
+from cmpchat.backends.cuda.step import MAX_ROWS, AttentionSplits, SequenceStates, StepBuffers, decode_launches
+from cmpchat.backends.cuda.weights import upload_weights
+from cmpchat.cuda.graph import LaunchGraph
+from cmpchat.cuda.kernels.attention import DecodeAttentionConfig
+from cmpchat.cuda.kernels.gemv import token_bucket
+from cmpchat.errors import CmpchatError
+from cmpchat.generation.sampling import SamplingParams, sample_token
+from cmpchat.model.config import ModelConfig
+from cmpchat.model.gguf_file import ModelFile
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class CudaSequence:
+    slot: int
+    length: int = 0
+    next_position: int = 0
+
+
+@dataclass(frozen=True)
+class CudaLogits:
+    """Logits of the last step's rows, still on the GPU ([rows, vocab] view of the step buffer)."""
+
+    device: Any
+    rows: int
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(
+        self,
+        model_file: ModelFile,
+        config: ModelConfig | None = None,
+        *,
+        sequences: int = 1,
+        context: int | None = None,
+        gpu_mem: int | None = None,
+        use_graphs: bool = True,
+        progress: Progress | None = None,
+    ) -> None:
+        self.config = config or ModelConfig.from_model_file(model_file)
+        self.use_graphs = use_graphs
+        info = gpu_info(0)
+        largest = max(t.n_bytes for t in model_file.tensors.values())
+        total_weights = weight_bytes(model_file, self.config)
+        self.plan: MemoryPlan = plan_memory(
+            self.config,
+            weights=total_weights,
+            largest_tensor=largest,
+            budget=usable_bytes(info, gpu_mem),
+            sequences=sequences,
+            context=context,
+        )
+        self.gpu = info
+        uploaded = 0
+
+        def on_upload(nbytes: int) -> None:
+            nonlocal uploaded
+            uploaded += nbytes
+            if progress is not None:
+                progress("loading weights onto the GPU", min(uploaded, total_weights), total_weights)
+
+        self.weights = upload_weights(model_file, self.config, on_upload)
+        tile = DecodeAttentionConfig(num_splits=1).tile_tokens(self.config.head_dim)
+        page_tokens = max(tile, self.plan.context_per_sequence // tile * tile)
+        self.states = SequenceStates.allocate(self.config, self.plan.sequences, page_tokens)
+        self.buffers = StepBuffers.allocate(self.config)
+        self.stream = cuda.stream()
+        self._sm_count = info.multiprocessors
+        self._free_slots = list(range(self.plan.sequences))[::-1]
+        self._steps: dict[int, tuple[list[Any], AttentionSplits, LaunchGraph | None]] = {}
+        if progress is not None:
+            progress("loading weights onto the GPU", total_weights, total_weights)
+
+    @property
+    def context_per_sequence(self) -> int:
+        return self.states.page_tokens
+
+    # -- sequences ----------------------------------------------------------------------------------------
+
+    def new_sequence(self) -> CudaSequence:
+        if not self._free_slots:
+            raise CmpchatError(
+                f"all {self.plan.sequences} sequence slots are in use; finish a conversation or load with more"
+            )
+        sequence = CudaSequence(self._free_slots.pop())
+        self.states.clear_slot(sequence.slot)
+        return sequence
+
+    def copy_sequence(self, sequence: CudaSequence) -> CudaSequence:
+        copy = self.new_sequence()
+        self.states.copy_slot(sequence.slot, copy.slot, sequence.length)
+        copy.length, copy.next_position = sequence.length, sequence.next_position
+        return copy
+
+    def release(self, sequence: CudaSequence) -> None:
+        if sequence.slot >= 0:
+            self._free_slots.append(sequence.slot)
+            sequence.slot = -1
+
+    def sequence_length(self, sequence: CudaSequence) -> int:
+        return sequence.length
+
+    # -- steps --------------------------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        sequence: CudaSequence,
+        tokens: Sequence[int],
+        *,
+        positions: np.ndarray | None = None,
+        all_logits: bool = False,
+    ) -> Any:
+        if len(tokens) == 0:
+            raise ValueError("prefill needs at least one token")
+        rows = []
+        logits: CudaLogits | None = None
+        for i, token in enumerate(tokens):
+            position = None if positions is None else np.asarray(positions[i])
+            logits = self._step([sequence], [token], [position])
+            if all_logits:
+                rows.append(self.to_host(logits)[0])
+        return np.stack(rows) if all_logits else logits
+
+    def decode(self, sequences: Sequence[CudaSequence], tokens: Sequence[int]) -> CudaLogits:
+        if len(sequences) != len(tokens):
+            raise ValueError("one token per sequence")
+        if len({s.slot for s in sequences}) != len(sequences):
+            raise ValueError("a sequence appears twice in one decode step")
+        return self._step(sequences, tokens, [None] * len(sequences))
+
+    def to_host(self, logits: Any) -> np.ndarray:
+        if not isinstance(logits, CudaLogits):
+            return np.asarray(logits)
+        host = logits.device.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    def sample(
+        self,
+        logits: Any,
+        params: Sequence[SamplingParams],
+        histories: Sequence[Sequence[int]],
+        rngs: Sequence[np.random.Generator],
+    ) -> list[int]:
+        rows = np.atleast_2d(self.to_host(logits))
+        return [sample_token(row, p, h, r) for row, p, h, r in zip(rows, params, histories, rngs, strict=True)]
+
+    def _step(
+        self, sequences: Sequence[CudaSequence], tokens: Sequence[int], positions: Sequence[np.ndarray | None]
+    ) -> CudaLogits:
+        rows = len(sequences)
+        if not 1 <= rows <= MAX_ROWS:
+            raise ValueError(f"a decode step takes 1 to {MAX_ROWS} sequences, got {rows}")
+        bucket = token_bucket(rows)
+        host_tokens = np.full(MAX_ROWS, -1, dtype=np.int32)
+        host_positions = np.full((MAX_ROWS, 4), -1, dtype=np.int32)
+        host_pages = np.zeros((MAX_ROWS, 1), dtype=np.int32)
+        host_slots = np.full(MAX_ROWS, -1, dtype=np.int32)
+        for row, (sequence, token, position) in enumerate(zip(sequences, tokens, positions, strict=True)):
+            if sequence.slot < 0:
+                raise ValueError("the sequence was released")
+            if sequence.length >= self.states.page_tokens:
+                raise CmpchatError(
+                    f"the conversation reached the {self.states.page_tokens}-token context this GPU holds; "
+                    "start a new one"
+                )
+            if not 0 <= token < self.config.vocab_size:
+                raise ValueError(f"token id {token} out of range 0..{self.config.vocab_size - 1}")
+            t, h, w = (sequence.next_position,) * 3 if position is None else (int(p) for p in position)
+            host_tokens[row] = token
+            host_positions[row] = (sequence.length, t, h, w)
+            host_pages[row, 0] = sequence.slot
+            host_slots[row] = sequence.slot
+        b = self.buffers
+        stream = self.stream
+        b.tokens.copy_to_device(host_tokens, stream=stream)
+        b.positions.copy_to_device(host_positions, stream=stream)
+        b.page_table.copy_to_device(host_pages, stream=stream)
+        b.gdn_slots.copy_to_device(host_slots, stream=stream)
+        self._run(bucket)
+        for sequence, position in zip(sequences, positions, strict=True):
+            sequence.length += 1
+            sequence.next_position = sequence.next_position + 1 if position is None else int(max(position)) + 1
+        return CudaLogits(b.logits[:rows], rows)
+
+    def _run(self, bucket: int) -> None:
+        step = self._steps.get(bucket)
+        if step is None:
+            splits = AttentionSplits.allocate(self.config, bucket, self._sm_count)
+            launches = decode_launches(self.config, self.weights, self.states, self.buffers, splits, bucket)
+            step = (launches, splits, None)
+            self._steps[bucket] = step
+            # The first step runs eagerly: it compiles the kernels and makes them ready for capture.
+            for launch in launches:
+                launch.run(self.stream)
+            if self.use_graphs:
+                self._steps[bucket] = (launches, splits, LaunchGraph.capture(launches, self.stream))
+            return
+        launches, _, graph = step
+        if graph is not None:
+            graph.replay(self.stream)
+        else:
+            for launch in launches:
+                launch.run(self.stream)

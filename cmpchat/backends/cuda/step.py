@@ -1,0 +1,272 @@
+"""One decode step of the whole model as a list of kernel launches, for a batch of up to 16 sequences.
+
+The launches read everything that changes per token (token ids, positions, cache indices, state slots)
+from device buffers, so the list is built once per batch-size bucket and captured as a CUDA graph.
+Layer by layer (matching the reference backend in GPU-mirroring mode):
+
+    x = embed(tokens)
+    per layer:  h = rms_norm_quantize(x)
+                attention:  p = W_qkv h;  q, K/V cache = qk_norm_rope(p);  a = attention(q, cache) * sigmoid(gate)
+                GDN:        p = W_qkv|z|b|a h;  a = gated_deltanet_step(p, states)
+                x += W_out quantize(a)
+                x += W_down quantize(swiglu(W_gate|up rms_norm_quantize(x)))
+    logits = W_lm rms_norm_quantize(x)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from numba import cuda
+
+from cmpchat.backends.cuda.weights import AttentionWeights, DeviceMatrix, ModelWeights, RecurrentWeights
+from cmpchat.cuda.intrinsics import SIMULATOR
+from cmpchat.cuda.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
+from cmpchat.cuda.kernels.elementwise import embed_q8_0
+from cmpchat.cuda.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
+from cmpchat.cuda.kernels.gated_deltanet import decode_step as gdn_decode_step
+from cmpchat.cuda.kernels.gemv import gemv_q8_launch
+from cmpchat.cuda.kernels.gemv_float import gemv_float_launch
+from cmpchat.cuda.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
+from cmpchat.cuda.kernels.quantize import quantize_launch, rms_norm_quantize_launch
+from cmpchat.cuda.launch import Launch
+from cmpchat.model.config import LayerKind, ModelConfig
+
+MAX_ROWS = 16
+
+
+@dataclass
+class SequenceStates:
+    """Per-slot state of every sequence the backend can hold: KV caches and GDN states."""
+
+    k_cache: dict[int, Any]  # attention layer -> fp16 [slots, page_tokens, Hkv, hd]
+    v_cache: dict[int, Any]
+    conv_state: dict[int, Any]  # GDN layer -> fp32 [slots, K-1, conv_dim]
+    delta_state: dict[int, Any]  # GDN layer -> fp32 [slots, Hv, dk, dv]
+    slots: int
+    page_tokens: int
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, slots: int, page_tokens: int) -> SequenceStates:
+        kv_shape = (slots, page_tokens, config.num_kv_heads, config.head_dim)
+        conv_shape = (slots, config.conv_kernel - 1, config.conv_dim)
+        delta_shape = (slots, config.num_v_heads, config.k_head_dim, config.v_head_dim)
+        return cls(
+            k_cache={i: cuda.device_array(kv_shape, np.float16) for i in config.attention_layers},
+            v_cache={i: cuda.device_array(kv_shape, np.float16) for i in config.attention_layers},
+            conv_state={i: _zeros(conv_shape) for i in config.recurrent_layers},
+            delta_state={i: _zeros(delta_shape) for i in config.recurrent_layers},
+            slots=slots,
+            page_tokens=page_tokens,
+        )
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot's recurrent state (a KV cache needs no clearing: lengths say what is valid)."""
+        for states in (self.conv_state, self.delta_state):
+            for array in states.values():
+                _fill_zero(array[slot])
+
+    def copy_slot(self, source: int, target: int, length: int) -> None:
+        """Make `target` a copy of `source` whose first `length` cached tokens are valid (device to device)."""
+        for caches in (self.k_cache, self.v_cache):
+            for array in caches.values():
+                if length:
+                    array[target, :length].copy_to_device(array[source, :length])
+        for states in (self.conv_state, self.delta_state):
+            for array in states.values():
+                array[target].copy_to_device(array[source])
+
+
+@dataclass
+class StepBuffers:
+    """Device buffers of one decode step, sized for 16 rows; a step for B rows uses the first B."""
+
+    tokens: Any  # int32 [16]
+    positions: Any  # int32 [16, 4]: (cache index, t, h, w); negative cache index = idle row
+    page_table: Any  # int32 [16, 1]: the KV slot of each row
+    gdn_slots: Any  # int32 [16]: the recurrent-state slot of each row, -1 for idle rows
+    hidden: Any  # fp32 [16, d]
+    normalized: Any  # fp32 [16, d]
+    x_quants: Any  # uint32 [16, d/4]
+    x_scales: Any  # fp32 [16, d/32]
+    projection: Any  # fp32 [16, widest fused projection]
+    mixed: Any  # fp32 [16, max(H*hd, Hv*dv, ffn)]
+    m_quants: Any
+    m_scales: Any
+    q: Any  # fp32 [16, H, hd]
+    logits: Any  # fp32 [16, V]
+    inv_freq: Any  # float64 [rope_dims/2]
+    freq_axis: Any  # int32 [rope_dims/2]
+
+    @classmethod
+    def allocate(cls, config: ModelConfig) -> StepBuffers:
+        d = config.hidden_size
+        attention_width = 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
+        gdn_width = config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads
+        mixed_width = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
+        rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
+        return cls(
+            tokens=_zeros((MAX_ROWS,), np.int32),
+            positions=_zeros((MAX_ROWS, 4), np.int32),
+            page_table=_zeros((MAX_ROWS, 1), np.int32),
+            gdn_slots=_zeros((MAX_ROWS,), np.int32),
+            hidden=_zeros((MAX_ROWS, d)),
+            normalized=_zeros((MAX_ROWS, d)),
+            x_quants=_zeros((MAX_ROWS, d // 4), np.uint32),
+            x_scales=_zeros((MAX_ROWS, d // 32)),
+            projection=_zeros((MAX_ROWS, max(attention_width, gdn_width, 2 * config.ffn_size))),
+            mixed=_zeros((MAX_ROWS, mixed_width)),
+            m_quants=_zeros((MAX_ROWS, mixed_width // 4), np.uint32),
+            m_scales=_zeros((MAX_ROWS, mixed_width // 32)),
+            q=_zeros((MAX_ROWS, config.num_heads, config.head_dim)),
+            logits=_zeros((MAX_ROWS, config.vocab_size)),
+            inv_freq=cuda.to_device(rope.inv_freq),
+            freq_axis=cuda.to_device(rope.freq_axis),
+        )
+
+
+@dataclass
+class AttentionSplits:
+    """How decode attention is split for one batch-size bucket, with its partial-result scratch."""
+
+    config: DecodeAttentionConfig
+    partial_acc: Any
+    partial_ml: Any
+
+    @classmethod
+    def allocate(cls, model: ModelConfig, rows: int, sm_count: int) -> AttentionSplits:
+        config = DecodeAttentionConfig.splits_for(rows, model.num_kv_heads, sm_count)
+        acc_shape, ml_shape = partial_buffer_shapes(rows, model.num_heads, model.head_dim, config)
+        return cls(config, _zeros(acc_shape), _zeros(ml_shape))
+
+
+def decode_launches(
+    config: ModelConfig,
+    weights: ModelWeights,
+    states: SequenceStates,
+    buffers: StepBuffers,
+    splits: AttentionSplits,
+    rows: int,
+) -> list[Launch]:
+    """Every launch of one decode step for the first `rows` rows of the step buffers, in order."""
+    b = buffers
+    eps = config.rms_eps
+    hidden = b.hidden[:rows]
+    launches = [embed_q8_0(b.tokens[:rows], weights.embedding.quants, weights.embedding.scales, hidden)]
+    gdn_shape = GatedDeltaNetShape.from_config(config)
+    for index, layer in enumerate(weights.layers):
+        launches += _norm_quantize(hidden, layer.mixer_norm, eps, b, rows)
+        mixer = layer.mixer
+        if isinstance(mixer, AttentionWeights):
+            width = 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
+            projection = _columns(b.projection, rows, width)
+            launches.append(_matmul(mixer.qkv, b, rows, projection))
+            q = b.q[:rows]
+            k_cache, v_cache = states.k_cache[index], states.v_cache[index]
+            positions, pages = b.positions[:rows], b.page_table[:rows]
+            launches.append(
+                qk_norm_rope_launch(
+                    projection,
+                    positions,
+                    pages,
+                    mixer.q_norm,
+                    mixer.k_norm,
+                    b.inv_freq,
+                    b.freq_axis,
+                    eps,
+                    q,
+                    k_cache,
+                    v_cache,
+                )
+            )
+            attended = _columns(b.mixed, rows, config.num_heads * config.head_dim)
+            launches += decode_attention(
+                q,
+                projection,
+                positions,
+                pages,
+                k_cache,
+                v_cache,
+                splits.partial_acc,
+                splits.partial_ml,
+                attended,
+                splits.config,
+            )
+        else:
+            assert isinstance(mixer, RecurrentWeights) and layer.kind is LayerKind.RECURRENT
+            projection = _columns(b.projection, rows, mixer.projection.rows)
+            launches.append(_matmul(mixer.projection, b, rows, projection))
+            attended = _columns(b.mixed, rows, config.num_v_heads * config.v_head_dim)
+            gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
+            launches += gdn_decode_step(
+                gdn_shape,
+                gdn_weights,
+                projection,
+                states.conv_state[index],
+                states.delta_state[index],
+                b.gdn_slots[:rows],
+                attended,
+            )
+        launches += _project_into(mixer.output, attended, b, rows, hidden)
+        launches += _norm_quantize(hidden, layer.mlp_norm, eps, b, rows)
+        activated = _columns(b.mixed, rows, config.ffn_size)
+        launches.append(_matmul(layer.gate_up, b, rows, activated, mode="swiglu"))
+        launches += _project_into(layer.down, activated, b, rows, hidden)
+    launches += _norm_quantize(hidden, weights.output_norm, eps, b, rows)
+    launches.append(_matmul(weights.lm_head, b, rows, b.logits[:rows]))
+    return launches
+
+
+def _norm_quantize(hidden: Any, weight: Any, eps: float, b: StepBuffers, rows: int) -> list[Launch]:
+    return [rms_norm_quantize_launch(hidden, weight, eps, b.x_quants[:rows], b.x_scales[:rows], b.normalized[:rows])]
+
+
+def _matmul(matrix: DeviceMatrix, b: StepBuffers, rows: int, out: Any, mode: str = "store") -> Launch:
+    """out (=, += or swiglu) matrix @ the normalised input (its int8 form for Q8_0 weights)."""
+    if matrix.is_q8_0:
+        return gemv_q8_launch(matrix.quants, matrix.scales, b.x_quants[:rows], b.x_scales[:rows], out, mode=mode)
+    return _float_matmul(matrix, b.normalized[:rows], out, mode)
+
+
+def _project_into(matrix: DeviceMatrix, activations: Any, b: StepBuffers, rows: int, hidden: Any) -> list[Launch]:
+    """hidden += matrix @ activations (the residual add fused into the GEMV)."""
+    if not matrix.is_q8_0:
+        return [_float_matmul(matrix, activations, hidden, "accumulate")]
+    width = activations.shape[1]
+    quants = _columns(b.m_quants, rows, width // 4)
+    scales = _columns(b.m_scales, rows, width // 32)
+    return [
+        quantize_launch(activations, quants, scales),
+        gemv_q8_launch(matrix.quants, matrix.scales, quants, scales, hidden, mode="accumulate"),
+    ]
+
+
+def _float_matmul(matrix: DeviceMatrix, x: Any, out: Any, mode: str) -> Launch:
+    bf16 = matrix.tensor_type == GGMLQuantizationType.BF16
+    weight = matrix.dense if matrix.tensor_type != GGMLQuantizationType.F16 else matrix.dense.view(np.float16)
+    return gemv_float_launch(weight, x, out, mode=mode, bf16=bf16)
+
+
+def _columns(buffer: Any, rows: int, width: int) -> Any:
+    """A contiguous [rows, width] view at the start of a [16, wider] buffer (rows of `width`, packed)."""
+    flat = buffer.reshape(-1)
+    return flat[: rows * width].reshape(rows, width)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+    array = cuda.device_array(shape, dtype)
+    _fill_zero(array)
+    return array
+
+
+def _fill_zero(array: Any) -> None:
+    """Zero a contiguous device array on the device (no host-side buffer: states can be 100s of MB)."""
+    if SIMULATOR:
+        array[...] = 0
+    else:
+        from numba.cuda.cudadrv import driver
+
+        driver.device_memset(array, 0, array.nbytes)
