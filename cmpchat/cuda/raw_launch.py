@@ -111,7 +111,8 @@ def _bind(kernel: Any) -> _BoundFunction:
             function = handle
         else:
             function = check("cuKernelGetFunction", driver.cuKernelGetFunction(int(handle)))
-        name = getattr(kernel.py_func, "__qualname__", cufunc.name)
+        # A kernel loaded from Numba's on-disk cache has no py_func.
+        name = getattr(getattr(kernel, "py_func", None), "__qualname__", None) or cufunc.name
         bound = _BoundFunction(name, function, _param_table(function))
         _BOUND[cufunc] = bound
     return bound
