@@ -70,7 +70,10 @@ def disassemble(cubin: bytes, command: list[str] | None = None) -> str:
 
 def kernel_cubin(dispatcher, signature: str) -> bytes:
     """The cubin the dispatcher launches for this signature on the current GPU (compiled if needed)."""
-    return dispatcher.compile(signature).library.get_cubin()
+    cubin = dispatcher.compile(signature).library.get_cubin()
+    # numba-cuda hands out a cuda.core ObjectCode on CUDA 13 machines, plain bytes elsewhere.
+    code = getattr(cubin, "code", cubin)
+    return bytes(code) if not isinstance(code, str) else open(code, "rb").read()
 
 
 def check_kernel(spec: KernelSpec, signature: str, command: list[str] | None = None) -> SassReport:

@@ -12,7 +12,7 @@ from cmpchat.backends.cuda.model import CudaBackend
 from cmpchat.backends.reference.model import ReferenceBackend
 from cmpchat.model.gguf_file import ModelFile
 
-TOKENS = [72, 101, 108, 108, 111, 33]
+TOKENS = [72, 101, 108, 33]
 
 
 @pytest.fixture(scope="module")

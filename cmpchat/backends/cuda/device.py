@@ -31,7 +31,7 @@ def cuda_gpu_present() -> bool:
         return False
 
 
-SIMULATED_GPU = GpuInfo(0, "Numba CUDA simulator", (7, 0), 16 * 2**30, 16 * 2**30, 4)
+SIMULATED_GPU = GpuInfo(0, "Numba CUDA simulator", (7, 0), 16 * 2**30, 16 * 2**30, 1)
 """What the backend sees under the simulator (CI runs the whole GPU engine there at tiny shapes)."""
 
 

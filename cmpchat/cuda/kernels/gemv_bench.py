@@ -1,0 +1,159 @@
+"""GPU micro-benchmark of the Q8_0 GEMV at Qwen3.5 decode shapes, reported against the read limit.
+
+`python -m cmpchat.cuda.kernels.gemv_bench [9B 27B] [--tokens 1 4 16]` prints, per shape, the time per
+launch and the bytes it must read divided by that time, next to the streaming-read bandwidth measured in
+the same run (`read_bandwidth`), so the ratio carries over from the H200 to the CMP.
+
+Timing: CUDA events around `repeats` back-to-back launches on one stream, after `warmup` launches. A
+sleeping kernel goes first so the GPU is still busy while Python queues the launches: Numba's own launch
+path costs tens of µs per launch, longer than a small GEMV runs, and would otherwise be what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, uint32
+
+from cmpchat.cuda.compile import kernel
+from cmpchat.cuda.intrinsics import load_u32x4
+from cmpchat.cuda.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
+from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD
+from cmpchat.cuda.launch import Launch
+
+# (name, rows, cols, mode) of every Q8_0 projection a decode step runs, with the fused layouts the
+# backend uses (QWEN35.md): q|k|v, GDN qkv|gate|beta|alpha, ffn gate|up (SwiGLU); residual adds accumulate.
+QWEN_GEMV_SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
+    "9B": [
+        ("attn q+k+v", 8192 + 2 * 1024, 4096, "store"),
+        ("attn output", 4096, 4096, "accumulate"),
+        ("gdn qkv+gate+beta+alpha", 8192 + 4096 + 32 + 32, 4096, "store"),
+        ("gdn ssm_out", 4096, 4096, "accumulate"),
+        ("ffn gate+up", 2 * 12288, 4096, "swiglu"),
+        ("ffn down", 4096, 12288, "accumulate"),
+        ("lm head", 248320, 4096, "store"),
+    ],
+    "27B": [
+        ("attn q+k+v", 12288 + 2 * 1024, 5120, "store"),
+        ("attn output", 5120, 6144, "accumulate"),
+        ("gdn qkv+gate+beta+alpha", 10240 + 6144 + 48 + 48, 5120, "store"),
+        ("gdn ssm_out", 5120, 6144, "accumulate"),
+        ("ffn gate+up", 2 * 17408, 5120, "swiglu"),
+        ("ffn down", 5120, 17408, "accumulate"),
+        ("lm head", 248320, 5120, "store"),
+    ],
+}
+
+
+@kernel("void(int32)")
+def sleep_kernel(microseconds):
+    for _ in range(microseconds):
+        cuda.nanosleep(1000)
+
+
+@kernel("void(uint32[::1], uint32[::1])")
+def read_stream(words, sink):
+    """Read every word once with 16-byte loads (grid-stride); one xor per thread keeps the loads alive."""
+    acc = uint32(0)
+    start = 4 * (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
+    stride = 4 * cuda.gridDim.x * cuda.blockDim.x
+    for i in range(start, words.shape[0], stride):
+        a, b, c, d = load_u32x4(words, i)
+        acc ^= a ^ b ^ c ^ d
+    if acc == uint32(0x9E3779B9):  # practically never: the store only defeats dead-code elimination
+        sink[0] = acc
+
+
+@dataclass(frozen=True)
+class GemvTiming:
+    name: str
+    rows: int
+    cols: int
+    tokens: int
+    mode: str
+    seconds: float
+    """Per launch."""
+    bytes_read: int
+    """Weights (quants + fp16 scales), activations (quants + scales) and, when accumulating, the output."""
+
+    @property
+    def gigabytes_per_second(self) -> float:
+        return self.bytes_read / self.seconds / 1e9
+
+
+def time_launches(launches: Launch | Sequence[Launch], repeats: int = 100, warmup: int = 10) -> float:
+    """Seconds per run of `launches` (one or a list run in order), from CUDA events around `repeats` queued
+    runs (see module docstring)."""
+    sequence = [launches] if isinstance(launches, Launch) else list(launches)
+    stream = cuda.stream()
+    for _ in range(warmup):
+        for launch in sequence:
+            launch.run(stream)
+    stream.synchronize()
+    start, stop = cuda.event(), cuda.event()
+    # Sleep longer than queueing takes (~30 µs per Numba launch), within the driver's queue of ~1000 launches.
+    sleep_kernel[1, 1, stream](np.int32(min(200_000, 100 * repeats * len(sequence))))
+    start.record(stream)
+    for _ in range(repeats):
+        for launch in sequence:
+            launch.run(stream)
+    stop.record(stream)
+    stop.synchronize()
+    return cuda.event_elapsed_time(start, stop) / 1e3 / repeats
+
+
+def gemv_bytes_read(rows: int, cols: int, tokens: int, mode: str) -> int:
+    out_rows = output_shape(rows, tokens, mode)[1]
+    activations = tokens * (cols + cols // QUANT_BLOCK * 4)
+    return weight_bytes(rows, cols) + activations + (tokens * out_rows * 4 if mode == "accumulate" else 0)
+
+
+def benchmark_gemv(
+    rows: int, cols: int, tokens: int = 1, *, mode: str = "store", name: str = "", repeats: int = 100,
+    warmup: int = 10, seed: int = 0,
+) -> GemvTiming:  # fmt: skip
+    """Time the Q8_0 GEMV on random data of this shape (needs a GPU)."""
+    rng = np.random.default_rng(seed)
+    quants = cuda.to_device(rng.integers(-127, 128, (rows, cols), dtype=np.int8).view(np.uint32))
+    scales = cuda.to_device((rng.random((rows, cols // QUANT_BLOCK)) * 0.01).astype(np.float16))
+    x_quants = cuda.to_device(rng.integers(-127, 128, (tokens, cols), dtype=np.int8).view(np.uint32))
+    x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
+    out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
+    launch = gemv_q8_launch(quants, scales, x_quants, x_scales, out, mode=mode)
+    seconds = time_launches(launch, repeats, warmup)
+    return GemvTiming(name, rows, cols, tokens, mode, seconds, gemv_bytes_read(rows, cols, tokens, mode))
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Streaming-read bandwidth (GB/s) of this GPU, measured the way the GEMV reads: 16-byte loads."""
+    words = cuda.to_device(np.zeros(nbytes // 4 // VALUES_PER_WORD * VALUES_PER_WORD, np.uint32))
+    sink = cuda.to_device(np.zeros(1, np.uint32))
+    blocks = cuda.get_current_device().MULTIPROCESSOR_COUNT * 8
+    seconds = time_launches(Launch(read_stream, blocks, 256, (words, sink)), repeats, warmup=3)
+    return words.nbytes / seconds / 1e9
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=list(QWEN_GEMV_SHAPES), choices=list(QWEN_GEMV_SHAPES))
+    parser.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 16])
+    parser.add_argument("--repeats", type=int, default=100)
+    args = parser.parse_args(argv)
+    limit = read_bandwidth()
+    print(f"streaming read: {limit:.0f} GB/s")
+    print(f"{'model':5} {'shape':24} {'rows':>7} {'cols':>6} {'T':>3} {'mode':10} {'µs':>9} {'GB/s':>7} {'of read':>8}")
+    for model in args.models:
+        for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
+            for tokens in args.tokens:
+                t = benchmark_gemv(rows, cols, tokens, mode=mode, name=name, repeats=args.repeats)
+                print(
+                    f"{model:5} {name:24} {rows:7} {cols:6} {tokens:3} {mode:10} {t.seconds * 1e6:9.1f} "
+                    f"{t.gigabytes_per_second:7.0f} {t.gigabytes_per_second / limit:8.1%}"
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The GEMV kernels on a GPU (`pytest -m gpu`) at every decode projection of Qwen3.5 9B and 27B, with the
+fused layouts the backend uses, against float64 numpy; plus the float fallback and the benchmark."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from cmpchat.cuda.kernels.gemv import gemv_q8_launch
+from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES, benchmark_gemv, read_bandwidth
+from cmpchat.cuda.kernels.gemv_float import gemv_float_launch
+from cmpchat.model.quant import quantize_activations
+from tests.cuda.test_gemv_sim import assert_close, bf16_bits
+
+pytestmark = pytest.mark.gpu
+
+MAX_TOKENS = 16
+SHAPES = [(model, *shape) for model, shapes in QWEN_GEMV_SHAPES.items() for shape in shapes]
+ROW_CHUNK = 8192  # float64 reference in slices of rows
+
+
+def device(array: np.ndarray):
+    from numba import cuda
+
+    return cuda.to_device(np.ascontiguousarray(array))
+
+
+@functools.lru_cache(maxsize=2)
+def problem(rows: int, cols: int) -> tuple[np.ndarray, ...]:
+    """Random Q8_0 weight and 16 activation rows with their float64 product and sum of |terms| (cached:
+    the 248320-row LM heads take a while in numpy)."""
+    rng = np.random.default_rng(rows + cols)
+    quants = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
+    scales = (rng.standard_normal((rows, cols // 32)) * 0.01).astype(np.float16)
+    x = rng.standard_normal((MAX_TOKENS, cols)).astype(np.float32)
+    x_quants, x_scales = quantize_activations(x)
+    dequantized_x = (x_quants.reshape(MAX_TOKENS, -1, 32) * x_scales[..., None].astype(np.float64)).reshape(
+        MAX_TOKENS, cols
+    )
+    expected = np.empty((MAX_TOKENS, rows))
+    magnitude = np.empty((MAX_TOKENS, rows))
+    for start in range(0, rows, ROW_CHUNK):
+        block = slice(start, start + ROW_CHUNK)
+        weight = (quants[block].reshape(-1, cols // 32, 32) * scales[block, :, None].astype(np.float64)).reshape(
+            -1, cols
+        )
+        expected[:, block] = dequantized_x @ weight.T
+        magnitude[:, block] = np.abs(dequantized_x) @ np.abs(weight).T
+    return quants, scales, x_quants, x_scales, expected, magnitude
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("model,name,rows,cols,mode", SHAPES, ids=[f"{s[0]}-{s[1]}" for s in SHAPES])
+def test_q8_gemv_at_qwen_shapes(model: str, name: str, rows: int, cols: int, mode: str, tokens: int) -> None:
+    quants, scales, x_quants, x_scales, expected, magnitude = problem(rows, cols)
+    expected, magnitude = expected[:tokens], magnitude[:tokens]
+    args = (
+        device(quants.view(np.uint32)),
+        device(scales),
+        device(x_quants[:tokens].view(np.uint32)),
+        device(x_scales[:tokens]),
+    )
+    if mode == "swiglu":
+        half = rows // 2
+        out = device(np.zeros((tokens, half), np.float32))
+        gemv_q8_launch(*args, out, mode=mode).run()
+        gate, up = expected[:, :half], expected[:, half:]
+        reference = gate / (1 + np.exp(-gate)) * up
+        bound = 1e-5 * (magnitude[:, :half] * np.abs(up) + np.abs(gate) * magnitude[:, half:]) + 1e-6 * np.abs(
+            reference
+        )
+        assert (np.abs(out.copy_to_host() - reference) <= bound + 1e-30).all()
+    elif mode == "accumulate":
+        residual = np.random.default_rng(1).standard_normal((tokens, rows)).astype(np.float32)
+        out = device(residual)
+        gemv_q8_launch(*args, out, mode=mode).run()
+        assert_close(out.copy_to_host(), expected + residual, magnitude + np.abs(residual))
+    else:
+        out = device(np.zeros((tokens, rows), np.float32))
+        gemv_q8_launch(*args, out, mode=mode).run()
+        assert_close(out.copy_to_host(), expected, magnitude)
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_float_weights_at_a_real_shape(kind: str, tokens: int) -> None:
+    rng = np.random.default_rng(9)
+    rows, cols = 4096, 4096
+    values = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    weight = {"f32": values, "f16": values.astype(np.float16), "bf16": bf16_bits(values)}[kind]
+    exact = (weight.astype(np.uint32) << 16).view(np.float32) if kind == "bf16" else weight.astype(np.float32)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    out = device(np.zeros((tokens, rows), np.float32))
+    gemv_float_launch(device(weight), device(x), out, bf16=kind == "bf16").run()
+    expected = x.astype(np.float64) @ exact.T.astype(np.float64)
+    assert_close(out.copy_to_host(), expected, np.abs(x.astype(np.float64)) @ np.abs(exact.T.astype(np.float64)))
+
+
+def test_benchmark_reports_bandwidth() -> None:
+    """Smoke test of the benchmark (run with -s to see the figures; tuning targets >= 85% of the read limit)."""
+    limit = read_bandwidth(1 << 28, repeats=5)
+    assert limit > 0
+    for model in QWEN_GEMV_SHAPES:
+        for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
+            timing = benchmark_gemv(rows, cols, 1, mode=mode, name=name, repeats=20, warmup=3)
+            print(f"{model} {name:24} {timing.seconds * 1e6:8.1f} µs {timing.gigabytes_per_second:7.0f} GB/s "
+                  f"{timing.gigabytes_per_second / limit:6.1%} of {limit:.0f} GB/s")  # fmt: skip
+            assert timing.gigabytes_per_second > 0
