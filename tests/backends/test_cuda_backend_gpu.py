@@ -2,10 +2,11 @@
 
 Tolerance: both sides quantise activations to int8 per 32 values and keep K/V in fp16; what differs is
 fp32 summation order. Where no activation crosses an int8 rounding boundary the logits agree to ~1e-5 of
-their range (the oracle model: 5.5e-6 over 153 positions). A crossing changes one int8 value by one step,
-and a random-weight network amplifies that like any other perturbation: on the demo model (512 wide,
-random weights) single positions then move by up to a few percent. So: the median position agrees to
-1e-3, none by more than 5e-2, and top-1 tokens agree wherever the reference's margin exceeds 0.1.
+their range (the oracle model: median 1.2e-7, max 8.9e-6 over 153 positions). A crossing changes one int8
+value by one step, and a random-weight network amplifies that: on the demo model (512 wide) the reference
+itself moves by a median 0.8% per position when its input is scaled by 1 + 1e-6. So the demo model is held
+to that measured sensitivity (twice it, measured in the same test), the oracle model to 1e-3; top-1 tokens
+must agree wherever the reference's margin between its first and second choice exceeds 0.1.
 """
 
 from __future__ import annotations
@@ -24,21 +25,41 @@ from cmpchat.model.gguf_file import ModelFile
 pytestmark = pytest.mark.gpu
 
 ORACLE = Path(__file__).parent.parent / "fixtures" / "oracle"
-MEDIAN_TOLERANCE, MAX_TOLERANCE, CLEAR_MARGIN = 1e-3, 5e-2, 0.1
+CLEAR_MARGIN = 0.1
 
 
-def compare(model_file: ModelFile, tokens: list[int]) -> None:
+def per_position_error(got: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    return np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)
+
+
+def sensitivity(reference: ReferenceBackend, tokens: list[int], expected: np.ndarray) -> np.ndarray:
+    """How far the reference moves by itself when its embeddings are scaled by 1 + 1e-6."""
+    embed = reference.embed
+    reference.embed = lambda ids: embed(ids) * np.float32(1 + 1e-6)  # type: ignore[method-assign]
+    try:
+        moved = reference.prefill(reference.new_sequence(), tokens, all_logits=True)
+    finally:
+        reference.embed = embed  # type: ignore[method-assign]
+    return per_position_error(moved, expected)
+
+
+def compare(model_file: ModelFile, tokens: list[int], *, calibrate: bool) -> None:
     gpu = CudaBackend(model_file, context=4096)
     reference = ReferenceBackend(model_file, mirror_gpu=True)
     expected = reference.prefill(reference.new_sequence(), tokens, all_logits=True)
     got = gpu.prefill(gpu.new_sequence(), tokens, all_logits=True)
-    per_position = np.abs(got - expected).max(axis=1) / np.abs(expected).max(axis=1)
+    error = per_position_error(got, expected)
+    median_bound, max_bound = 1e-3, 1e-3
+    if calibrate:
+        baseline = sensitivity(reference, tokens, expected)
+        median_bound, max_bound = 2 * np.median(baseline) + 1e-4, 2 * baseline.max() + 1e-3
+        print(f"reference sensitivity: median {np.median(baseline):.2e}, max {baseline.max():.2e}")
     print(
-        f"{model_file.path.name}: |dlogit| / max |logit| per position: median {np.median(per_position):.2e}, "
-        f"max {per_position.max():.2e} over {len(tokens)} positions; worst positions {np.argsort(per_position)[-5:]}"
+        f"{model_file.path.name}: |dlogit| / max |logit| per position: median {np.median(error):.2e}, "
+        f"max {error.max():.2e} over {len(tokens)} positions"
     )
-    assert np.median(per_position) <= MEDIAN_TOLERANCE
-    assert per_position.max() <= MAX_TOLERANCE
+    assert np.median(error) <= median_bound
+    assert error.max() <= max_bound
     top2 = np.sort(expected, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > CLEAR_MARGIN
     assert np.array_equal(got[clear].argmax(axis=1), expected[clear].argmax(axis=1))
@@ -47,12 +68,12 @@ def compare(model_file: ModelFile, tokens: list[int]) -> None:
 def test_oracle_model_with_real_head_sizes():
     with np.load(ORACLE / "real_heads.npz") as data:
         tokens = data["ids_long_a"].tolist()
-    compare(ModelFile(ORACLE / "real_heads.q8_0.gguf"), tokens)
+    compare(ModelFile(ORACLE / "real_heads.q8_0.gguf"), tokens, calibrate=False)
 
 
 def test_demo_model():
     tokens = list(np.random.default_rng(0).integers(0, 248_000, 64))
-    compare(ModelFile(ensure_demo_model()), tokens)
+    compare(ModelFile(ensure_demo_model()), tokens, calibrate=True)
 
 
 def greedy_tokens(backend: CudaBackend, prompt: list[int], steps: int) -> list[int]:
