@@ -1,7 +1,7 @@
 """The whole CUDA decode step under Numba's CUDA simulator, on the tiny model, against the reference
 backend in GPU-mirroring mode. The simulator runs the kernels' Python bodies with the intrinsics'
 fallbacks (no inline PTX, no warp shuffles) and replays "graphs" launch by launch; the GPU tests run the
-same comparison on real hardware at real head sizes."""
+same comparison on real hardware at real head sizes, and batched decode there (too slow simulated)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from cmpchat.backends.cuda.model import CudaBackend
 from cmpchat.backends.reference.model import ReferenceBackend
 from cmpchat.model.gguf_file import ModelFile
 
-TOKENS = [72, 101, 108, 33]
+TOKENS = [72, 101, 33]
 
 
 @pytest.fixture(scope="module")
 def backends(tiny_model_path):
     model_file = ModelFile(tiny_model_path)
-    return CudaBackend(model_file, sequences=2, context=256), ReferenceBackend(model_file, mirror_gpu=True)
+    return CudaBackend(model_file, context=256), ReferenceBackend(model_file, mirror_gpu=True)
 
 
 @pytest.mark.slow
@@ -31,21 +31,3 @@ def test_decode_matches_the_mirroring_reference(backends):
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() <= 2e-3 * scale
     assert np.array_equal(got.argmax(axis=1), expected.argmax(axis=1))
-
-
-@pytest.mark.slow
-def test_batched_decode_equals_single_sequences(backends):
-    gpu, _ = backends
-    first, second = gpu.new_sequence(), gpu.new_sequence()
-    gpu.prefill(first, TOKENS[:3])
-    gpu.prefill(second, TOKENS[:5])
-    together = gpu.to_host(gpu.decode([first, second], [7, 8]))
-    gpu.release(first)
-    gpu.release(second)
-    alone = []
-    for prompt, token in ((TOKENS[:3], 7), (TOKENS[:5], 8)):
-        sequence = gpu.new_sequence()
-        gpu.prefill(sequence, prompt)
-        alone.append(gpu.to_host(gpu.decode([sequence], [token]))[0])
-        gpu.release(sequence)
-    np.testing.assert_allclose(together, np.stack(alone), atol=1e-5 * np.abs(together).max())
