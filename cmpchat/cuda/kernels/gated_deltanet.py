@@ -205,8 +205,6 @@ def gdn_recurrent_step(projection, mixed, ssm_a, dt_bias, norm_weight, delta_sta
         out[row, head * v_dim + column] = o * inverse_rms * norm_weight[column] * silu(z_shared[column])
 
 
-
-
 # -- launcher ----------------------------------------------------------------------------------------
 
 
