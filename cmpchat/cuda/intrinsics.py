@@ -8,6 +8,7 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
   goes through shared memory and block-wide barriers, so under the simulator every thread of the block
   must call it together (kernels call the reductions below from uniform control flow).
 - `warp_sum_f32`, `warp_max_f32`: butterfly reductions; every lane gets the result.
+- `unpack_f16x2(word)`: the two fp16 values packed in a uint32 (low half first) as fp32, exactly.
 - `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
   read-only path, for streaming weights.
 
@@ -16,7 +17,8 @@ No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
 
 from __future__ import annotations
 
-from numba import cuda, int32, types, uint32
+import numpy as np
+from numba import cuda, float32, int32, types, uint32
 from numba.cuda import config
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
@@ -64,6 +66,11 @@ if SIMULATOR:
     def load_u32x4(array, index):
         return array[index], array[index + 1], array[index + 2], array[index + 3]
 
+    @cuda.jit(device=True)
+    def unpack_f16x2(word):
+        halves = np.array([word], dtype=np.uint32).view(np.float16)
+        return float32(halves[0]), float32(halves[1])
+
 else:
     from llvmlite import ir
     from numba.cuda import cgutils
@@ -110,6 +117,26 @@ else:
             )
             loaded = builder.call(asm, [pointer])
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, i) for i in range(4)])
+
+        return signature, codegen
+
+    @intrinsic
+    def unpack_f16x2(typingctx, word):
+        if not isinstance(word, types.Integer):
+            return None
+        signature = types.UniTuple(float32, 2)(uint32)
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            pair = ir.LiteralStructType([f32, f32])
+            asm = ir.InlineAsm(
+                ir.FunctionType(pair, [ir.IntType(32)]),
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
+                "=f,=f,r",
+            )
+            unpacked = builder.call(asm, args)
+            values = [builder.extract_value(unpacked, i) for i in range(2)]
+            return context.make_tuple(builder, sig.return_type, values)
 
         return signature, codegen
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 Dim = int | tuple[int, ...]
 
 
@@ -25,3 +27,20 @@ class Launch:
     def run(self, stream: Any = 0) -> None:
         """Launch through Numba's own path (argument marshalling per call: slow, simple, simulator-safe)."""
         self.dispatcher[self.grid, self.block, stream, self.shared_bytes](*self.args)
+
+
+def check_array(array: Any, name: str, dtype: Any, ndim: int, shape: tuple[int, ...] | None = None) -> tuple:
+    """Raise ValueError unless `array` is a C-contiguous array of that dtype, rank and shape; its shape.
+
+    Launchers check their arguments with this before building a `Launch`: a wrong layout would otherwise
+    read or write the wrong memory silently.
+    """
+    actual = tuple(int(n) for n in array.shape)
+    if np.dtype(array.dtype) != np.dtype(dtype) or len(actual) != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D {np.dtype(dtype).name} array, got {array.dtype} {actual}")
+    if shape is not None and actual != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {actual}")
+    contiguous = array.is_c_contiguous() if hasattr(array, "is_c_contiguous") else array.flags.c_contiguous
+    if not contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    return actual

@@ -62,3 +62,21 @@ def test_load_u32x4_reads_four_words():
     out = np.zeros(8, dtype=np.uint32)
     run[1, 8](words, out)
     np.testing.assert_array_equal(out, words.reshape(8, 4).sum(axis=1))
+
+
+def test_unpack_f16x2_gives_both_halves_exactly():
+    from cmpchat.cuda.intrinsics import unpack_f16x2
+
+    @cuda.jit
+    def run(words, low, high):
+        i = cuda.grid(1)
+        a, b = unpack_f16x2(words[i])
+        low[i] = a
+        high[i] = b
+
+    halves = np.array([1.5, -2.25, 65504.0, 6e-8, 0.0, -0.0, 0.333, 1024.0], dtype=np.float16)
+    words = halves.view(np.uint32)
+    low, high = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    run[1, 4](words, low, high)
+    np.testing.assert_array_equal(low, halves[0::2].astype(np.float32))
+    np.testing.assert_array_equal(high, halves[1::2].astype(np.float32))

@@ -47,51 +47,17 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int64, types, uint32
+from numba import cuda, float32, int64, uint32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import SIMULATOR, WARP_SIZE, load_u32x4, shfl_xor_f32
-from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.intrinsics import WARP_SIZE, load_u32x4, shfl_xor_f32, unpack_f16x2
+from cmpchat.cuda.launch import Launch, check_array
 
 POSITION_COLUMNS = 4  # (cache_index, t, h, w)
 MAX_SPLITS = 1024
 MAX_GROUP = 8  # query heads per KV head held in registers
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # one 16-byte chunk per lane, a row within one warp
 _NEG = float32(-1e30)  # "no score yet"; finite so that differences never make NaN
-
-# --- to move into intrinsics.py as `unpack_f16x2` (this module may not edit it) -------------------------
-if SIMULATOR:
-
-    @cuda.jit(device=True)
-    def _unpack_f16x2(word):
-        halves = np.array([word], dtype=np.uint32).view(np.float16)
-        return float32(halves[0]), float32(halves[1])
-
-else:
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def _unpack_f16x2(typingctx, word):
-        """The two fp16 values packed in a uint32 (low half first) as fp32, exactly (cvt.f32.f16)."""
-        if not isinstance(word, types.Integer):
-            return None
-        signature = types.UniTuple(float32, 2)(uint32)
-
-        def codegen(context, builder, sig, args):
-            f32 = ir.FloatType()
-            pair = ir.LiteralStructType([f32, f32])
-            asm = ir.InlineAsm(
-                ir.FunctionType(pair, [ir.IntType(32)]),
-                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }",
-                "=f,=f,r",
-            )
-            unpacked = builder.call(asm, args)
-            values = [builder.extract_value(unpacked, i) for i in range(2)]
-            return context.make_tuple(builder, sig.return_type, values)
-
-        return signature, codegen
-
 
 # --- device helpers shared by both kernels ---------------------------------------------------------------
 
@@ -184,7 +150,7 @@ def _partial_kernel(group: int, head_dim: int, warps: int, unroll: int) -> Any:
                 for g in range(group):
                     scores[u * group + g] = float32(0)
                 for w in range(4):
-                    low, high = _unpack_f16x2(k_raw[4 * u + w])
+                    low, high = unpack_f16x2(k_raw[4 * u + w])
                     for g in range(group):
                         dot = scores[u * group + g] + query[g * 8 + 2 * w] * low
                         scores[u * group + g] = dot + query[g * 8 + 2 * w + 1] * high
@@ -212,7 +178,7 @@ def _partial_kernel(group: int, head_dim: int, warps: int, unroll: int) -> Any:
                     running_sum[g] += weight
             for u in range(unroll):
                 for w in range(4):
-                    low, high = _unpack_f16x2(v_raw[4 * u + w])
+                    low, high = unpack_f16x2(v_raw[4 * u + w])
                     for g in range(group):
                         acc[g * 8 + 2 * w] += scores[u * group + g] * low
                         acc[g * 8 + 2 * w + 1] += scores[u * group + g] * high
@@ -382,19 +348,6 @@ def decode_attention(
 
 
 # --- argument checks (shared with qk_norm_rope) ----------------------------------------------------------
-
-
-def check_array(array: Any, name: str, dtype: type, ndim: int, shape: tuple[int, ...] | None = None) -> tuple:
-    """Raise ValueError unless `array` is a C-contiguous array of that dtype, rank and shape; its shape."""
-    actual = tuple(int(n) for n in array.shape)
-    if np.dtype(array.dtype) != np.dtype(dtype) or len(actual) != ndim:
-        raise ValueError(f"{name} must be a {ndim}-D {np.dtype(dtype).name} array, got {array.dtype} {actual}")
-    if shape is not None and actual != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {actual}")
-    contiguous = array.is_c_contiguous() if hasattr(array, "is_c_contiguous") else array.flags.c_contiguous
-    if not contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
-    return actual
 
 
 def check_kv_cache(k_cache: Any, v_cache: Any, head_dim: int) -> tuple[int, ...]:

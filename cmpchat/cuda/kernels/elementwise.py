@@ -18,8 +18,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.kernels.quantize import check_array
-from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.launch import Launch, check_array
 
 _ZERO = float32(0.0)
 _ONE = float32(1.0)

@@ -40,8 +40,7 @@ from numba import cuda, float32
 from cmpchat.cuda.compile import kernel
 from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, warp_sum_f32
 from cmpchat.cuda.kernels.elementwise import sigmoid, silu, softplus
-from cmpchat.cuda.kernels.quantize import check_array
-from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.launch import Launch, check_array
 
 if TYPE_CHECKING:
     from cmpchat.model.config import ModelConfig

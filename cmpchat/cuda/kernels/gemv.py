@@ -46,8 +46,8 @@ from numba import cuda, float32, uint32, uint64
 
 from cmpchat.cuda.compile import kernel
 from cmpchat.cuda.intrinsics import SIMULATOR, WARP_SIZE, dp4a, load_u32x4, shfl_xor_f32
-from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD, check_array, check_quantized
-from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD, check_quantized
+from cmpchat.cuda.launch import Launch, check_array
 from cmpchat.model.quant import q8_0_split
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)

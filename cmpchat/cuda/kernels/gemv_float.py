@@ -40,8 +40,7 @@ from cmpchat.cuda.kernels.gemv import (
     silu_f32,
     token_bucket,
 )
-from cmpchat.cuda.kernels.quantize import check_array
-from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.launch import Launch, check_array
 
 KIND_F32 = 0
 KIND_F16 = 1

@@ -31,8 +31,8 @@ from numba import cuda, float32, float64
 
 from cmpchat.cuda.compile import kernel
 from cmpchat.cuda.intrinsics import WARP_SIZE, warp_sum_f32
-from cmpchat.cuda.kernels.attention import check_array, check_kv_cache, check_row_inputs
-from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.kernels.attention import check_kv_cache, check_row_inputs
+from cmpchat.cuda.launch import Launch, check_array
 
 MAX_HEAD_DIM = 1024  # one thread per dim
 _MAX_WARPS = MAX_HEAD_DIM // WARP_SIZE

@@ -32,7 +32,7 @@ from numba import cuda, float32, int32, uint32
 
 from cmpchat.cuda.compile import kernel
 from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, shfl_xor_f32, warp_sum_f32
-from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.launch import Launch, check_array
 
 QUANT_BLOCK = 32
 VALUES_PER_WORD = 4
@@ -153,19 +153,6 @@ rms_norm_quantize_keep = _make_rms_norm_quantize(True)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
-
-
-def check_array(array: Any, name: str, dtype: Any, ndim: int, shape: tuple[int, ...] | None = None) -> tuple:
-    """Raise ValueError unless `array` is a C-contiguous array of that dtype, rank and shape; its shape."""
-    actual = tuple(int(n) for n in array.shape)
-    if np.dtype(array.dtype) != np.dtype(dtype) or len(actual) != ndim:
-        raise ValueError(f"{name} must be a {ndim}-D {np.dtype(dtype).name} array, got {array.dtype} {actual}")
-    if shape is not None and actual != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {actual}")
-    contiguous = array.is_c_contiguous() if hasattr(array, "is_c_contiguous") else array.flags.c_contiguous
-    if not contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
-    return actual
 
 
 def check_quantized(quants: Any, scales: Any, tokens: int, n: int, what: str = "activation") -> None:

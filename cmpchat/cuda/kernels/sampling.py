@@ -43,8 +43,7 @@ from numba import cuda, float32, float64, int32, uint32, uint64
 
 from cmpchat.cuda.compile import kernel
 from cmpchat.cuda.intrinsics import SIMULATOR, WARP_SIZE, shfl_xor_f32, shfl_xor_i32
-from cmpchat.cuda.kernels.quantize import check_array
-from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.launch import Launch, check_array
 from cmpchat.generation.sampling import SamplingParams
 
 THREADS = 32 if SIMULATOR else 256  # the simulator runs a Python thread per CUDA thread
