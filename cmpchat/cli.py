@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from cmpchat import __version__
-from cmpchat.commands import info, run, tokenize
+from cmpchat.commands import info, run, serve, tokenize
 from cmpchat.errors import CmpchatError
 
-COMMANDS = (run, info, tokenize)
+COMMANDS = (run, serve, info, tokenize)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eager", action="store_true", help="launch GPU kernels one by one (debugging)")
 
 
-def open_from_args(args: argparse.Namespace) -> Model:
+def open_from_args(args: argparse.Namespace, *, sequences: int = 1) -> Model:
+    """Open the model the arguments name; `sequences` is how many sequence states the GPU must hold."""
     progress = StderrProgress()
     try:
         model = open_model(
@@ -35,6 +36,7 @@ def open_from_args(args: argparse.Namespace) -> Model:
             gpu_mem=None if args.gpu_mem is None else parse_size(args.gpu_mem),
             context=args.ctx,
             use_graphs=not args.eager,
+            sequences=sequences,
             progress=progress,
         )
     finally:

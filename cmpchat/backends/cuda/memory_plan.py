@@ -12,8 +12,8 @@ from cmpchat.errors import CmpchatError
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
-MAX_BATCH = 16
-"""Sequences one decode step serves at most (the GEMV kernels handle 1..16 tokens)."""
+MAX_SEQUENCES = 64
+"""Sequence states one GPU holds at most: the ones being decoded (16 per step at most) and saved prefixes."""
 MIN_CONTEXT = 4096
 """The smallest context per sequence worth running; below it the model is refused."""
 HOST_CHUNK_BYTES = 64 * 2**20
@@ -62,7 +62,7 @@ def weight_bytes(model_file: ModelFile, config: ModelConfig) -> int:
     return total
 
 
-def scratch_bytes(config: ModelConfig, batch: int = MAX_BATCH) -> int:
+def scratch_bytes(config: ModelConfig, batch: int = 16) -> int:
     """Activations of one decode step for `batch` tokens, with room for the widest fused projection."""
     widest = max(
         2 * config.num_heads * config.head_dim + 2 * config.num_kv_heads * config.head_dim,
@@ -83,8 +83,8 @@ def plan_memory(
     context: int | None = None,
 ) -> MemoryPlan:
     """Fit `weights` bytes, state for `sequences` and the longest context that fits (at most `context`)."""
-    if not 1 <= sequences <= MAX_BATCH:
-        raise CmpchatError(f"cmpchat serves 1 to {MAX_BATCH} sequences at once, not {sequences}")
+    if not 1 <= sequences <= MAX_SEQUENCES:
+        raise CmpchatError(f"a GPU holds 1 to {MAX_SEQUENCES} sequence states, not {sequences}")
     recurrent = sequences * config.recurrent_state_bytes()
     scratch = scratch_bytes(config)
     fixed = weights + recurrent + scratch + RESERVE_BYTES

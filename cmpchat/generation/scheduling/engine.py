@@ -1,0 +1,300 @@
+"""The batching engine: many replies over one backend, driven step by step or from its own thread.
+
+Each step: drop cancelled requests, admit waiting ones into free slots (resuming from the longest saved
+prompt prefix), prefill up to one chunk of prompt tokens, run one batched decode step for every request
+with a sampled token, sample all rows that have fresh logits in one `backend.sample` call, feed each
+token to its request's `Reply` (the same stop rules and output parsing as the single-sequence
+generator), and hand each request its new events. The engine knows nothing of HTTP or asyncio: events
+go to a callback per request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from cmpchat.backends.base import Backend
+from cmpchat.generation.events import DecodeProgress, PromptProgress
+from cmpchat.generation.reply import Reply
+from cmpchat.generation.scheduling.active import ActiveRequest
+from cmpchat.generation.scheduling.prefix_cache import PrefixCache
+from cmpchat.generation.scheduling.request import (
+    EngineEvent,
+    EngineStopped,
+    EventSink,
+    Failed,
+    GenerationRequest,
+    RequestHandle,
+    Started,
+)
+from cmpchat.generation.scheduling.scheduler import Scheduler
+from cmpchat.generation.scheduling.stats import EngineStats
+from cmpchat.tokenizer import Tokenizer
+
+log = logging.getLogger("cmpchat.engine")
+
+
+class BatchEngine:
+    """Serves requests over `backend` with up to `slots` sequences decoding together.
+
+    `prefill_chunk` is the engine's, not the request's (`GenerationOptions.prefill_chunk` is not used
+    here): chunk boundaries are positions in the prompt shared by every request, so that states saved at
+    them by one request can be resumed by another. `cache_entries` bounds the saved states (0: no reuse).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        tokenizer: Tokenizer,
+        *,
+        slots: int = 4,
+        max_waiting: int = 64,
+        prefill_chunk: int = 512,
+        cache_entries: int = 16,
+    ) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(slots=slots, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
+        self.prefix_cache = PrefixCache(backend, cache_entries)
+        self.stats = EngineStats()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._dirty: list[ActiveRequest] = []
+
+    # -- the submitter's side (any thread) --------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
+        """Queue `request`; its events go to `sink`. Raises `CmpchatError` for a prompt that cannot be
+        served (empty, longer than the context) and `QueueFull` when the waiting queue is full."""
+        reply = Reply(
+            self.tokenizer,
+            request.prompt,
+            request.options,
+            self.backend.config.context_length,
+            starts_in_reasoning=request.starts_in_reasoning,
+            tools=request.tools,
+        )
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            handle = RequestHandle(next(self._ids), self._wake)
+            self.scheduler.add(ActiveRequest(handle, request, reply, sink, time.perf_counter()))
+            self._wakeup.notify()
+        return handle
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wakeup.notify()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run steps on a daemon thread until `stop`."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running")
+        self._thread = threading.Thread(target=self._run, name="cmpchat-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop taking requests, cancel those left, and free every sequence and saved state."""
+        with self._lock:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        leftover = [*self.scheduler.waiting, *self.scheduler.running]
+        self.scheduler.waiting.clear()
+        self._finish(leftover, cancelled=True)
+        self._publish()
+        self.prefix_cache.clear()
+
+    def run_until_idle(self) -> None:
+        """Step until no request is left (for callers that drive the engine themselves)."""
+        while self.step():
+            pass
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not (self.scheduler.waiting or self.scheduler.running):
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug in a step must not take the server down with it
+                log.exception("engine step failed")
+                self._fail(list(self.scheduler.running), "internal error in the engine step")
+                self._publish()
+
+    def step(self) -> bool:
+        """One scheduling step; True while requests are left running or waiting."""
+        with self._lock:
+            cancelled = self.scheduler.take_cancelled_waiting()
+            admitted = self.scheduler.admit()
+        self._finish(cancelled + self.scheduler.cancelled_running(), cancelled=True)
+        for item in admitted:
+            self._start(item)
+        self._prefill()
+        self._decode()
+        self._sample()
+        self._publish()
+        with self._lock:
+            return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # -- the phases -------------------------------------------------------------------------------
+
+    def _start(self, item: ActiveRequest) -> None:
+        item.admitted_at = time.perf_counter()
+        try:
+            hit = self.prefix_cache.lookup(item.prompt)
+            item.sequence = hit.sequence if hit is not None else self.backend.new_sequence()
+        except Exception as err:
+            self._fail([item], _describe(err))
+            return
+        item.prefilled = item.cached_tokens = hit.length if hit is not None else 0
+        self.stats.cached_prompt_tokens += item.cached_tokens
+        self._emit(item, [Started(item.cached_tokens, item.admitted_at - item.submitted_at)])
+
+    def _prefill(self) -> None:
+        for item, end in self.scheduler.prefill_plan():
+            started = time.perf_counter()
+            try:
+                logits = self.backend.prefill(item.sequence, item.prompt[item.prefilled : end])
+                if self.scheduler.is_save_point(item, end):
+                    self.prefix_cache.save(item.prompt[:end], item.sequence)
+            except Exception as err:
+                self._fail([item], _describe(err))
+                continue
+            now = time.perf_counter()
+            self.stats.prompt_tokens += end - item.prefilled
+            self.stats.prompt_seconds += now - started
+            item.prefilled = end
+            processed = end - item.cached_tokens
+            rate = processed / (now - item.admitted_at) if now > item.admitted_at else 0.0
+            self._emit(item, [PromptProgress(end, len(item.prompt), rate)])
+            if not item.is_prefilling:
+                item.prompt_done_at = now
+                item.logits = np.asarray(logits)
+
+    def _decode(self) -> None:
+        batch = self.scheduler.decode_batch()
+        if not batch:
+            return
+        started = time.perf_counter()
+        try:
+            logits = self.backend.decode([item.sequence for item in batch], [item.next_token for item in batch])
+        except Exception as err:
+            self._fail(batch, _describe(err))
+            return
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(batch)
+        self.stats.decode_seconds += time.perf_counter() - started
+        for item, row in zip(batch, logits, strict=True):
+            item.logits = row
+            item.next_token = None
+            item.decode_steps += 1
+
+    def _sample(self) -> None:
+        ready = [item for item in self.scheduler.running if item.logits is not None]
+        if not ready:
+            return
+        try:
+            tokens = self.backend.sample(
+                np.stack([item.logits for item in ready]),
+                [item.reply.sampling for item in ready],
+                [item.reply.history for item in ready],
+                [item.reply.rng for item in ready],
+            )
+        except Exception as err:
+            self._fail(ready, _describe(err))
+            return
+        now = time.perf_counter()
+        done: list[ActiveRequest] = []
+        for item, token in zip(ready, tokens, strict=True):
+            item.logits = None
+            if item.first_token_at is None:
+                item.first_token_at = now
+            item.last_token_at = now
+            try:
+                events = item.reply.accept(int(token))
+            except Exception as err:
+                self._fail([item], _describe(err))
+                continue
+            self.stats.generated_tokens += 1
+            self._emit(item, events)
+            if item.reply.done:
+                done.append(item)
+            else:
+                item.next_token = int(token)
+                elapsed = now - item.first_token_at
+                self._emit(
+                    item, [DecodeProgress(item.reply.generated, item.decode_steps / elapsed if elapsed else 0.0)]
+                )
+        self._finish(done, cancelled=False)
+
+    # -- endings and events -----------------------------------------------------------------------
+
+    def _finish(self, items: Sequence[ActiveRequest], *, cancelled: bool) -> None:
+        for item in items:
+            if cancelled:
+                item.reply.cancel()
+            self._emit(item, item.reply.finish(item.timings()))
+            self.stats.count_finish(item.reply.finish_reason or "length", item.reply.tool_calls != [])
+            self._release(item)
+
+    def _fail(self, items: Sequence[ActiveRequest], message: str) -> None:
+        for item in items:
+            log.error("request %d failed: %s", item.handle.id, message)
+            item.reply.cancel()
+            self.stats.failed += 1
+            self._emit(item, [Failed(message)])
+            self._release(item)
+
+    def _release(self, item: ActiveRequest) -> None:
+        self.scheduler.remove([item])
+        if item.sequence is not None:
+            sequence, item.sequence = item.sequence, None
+            try:
+                self.backend.release(sequence)
+            except Exception:
+                log.exception("releasing the sequence of request %d failed", item.handle.id)
+
+    def _emit(self, item: ActiveRequest, events: Sequence[EngineEvent]) -> None:
+        if not events:
+            return
+        if not item.outbox:
+            self._dirty.append(item)
+        item.outbox.extend(events)
+
+    def _publish(self) -> None:
+        dirty, self._dirty = self._dirty, []
+        for item in dirty:
+            events, item.outbox = item.outbox, []
+            try:
+                item.sink(events)
+            except Exception:
+                # The submitter's callback is broken; stop generating for it rather than for everyone.
+                log.exception("delivering events of request %d failed", item.handle.id)
+                item.handle.cancel()
+
+
+def _describe(err: Exception) -> str:
+    return f"the backend failed: {type(err).__name__}: {err}"

@@ -1,0 +1,103 @@
+"""Saved sequence states keyed by the exact token prefix they consumed, so a prompt that extends one
+skips that part of its prefill.
+
+A Gated DeltaNet layer folds every token into one recurrent state, which cannot be rewound: a state is
+only reusable at the position where it was saved. So the engine saves states at chosen positions (chunk
+boundaries, a conversation's end before its generation prompt) and a new prompt resumes from the
+longest saved prefix it starts with. Entries are evicted least recently used first, by count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cmpchat.backends.base import Backend
+
+
+@dataclass(slots=True)
+class _Entry:
+    tokens: np.ndarray
+    state: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A fresh copy of a saved state that has consumed the prompt's first `length` tokens."""
+
+    length: int
+    sequence: Any
+
+
+class PrefixCache:
+    """At most `capacity` saved states (0 disables the cache); owns them and releases evicted ones."""
+
+    def __init__(self, backend: Backend, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self._backend = backend
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[int, bytes], _Entry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, prompt: Sequence[int]) -> PrefixHit | None:
+        """The longest saved prefix shorter than `prompt` (at least one token must remain to prefill)."""
+        lengths = sorted({length for length, _ in self._entries if length < len(prompt)})
+        if not lengths:
+            return None
+        tokens = _as_array(prompt)
+        digests = _prefix_digests(tokens, lengths)
+        for length in reversed(lengths):
+            key = (length, digests[length])
+            entry = self._entries.get(key)
+            if entry is not None and np.array_equal(entry.tokens, tokens[:length]):
+                self._entries.move_to_end(key)
+                return PrefixHit(length, self._backend.copy_sequence(entry.state))
+        return None
+
+    def contains(self, prefix: Sequence[int]) -> bool:
+        tokens = _as_array(prefix)
+        return (len(tokens), _prefix_digests(tokens, [len(tokens)])[len(tokens)]) in self._entries
+
+    def save(self, prefix: Sequence[int], sequence: Any) -> None:
+        """Keep a copy of `sequence`, which has consumed exactly `prefix`."""
+        if self.capacity == 0 or not prefix:
+            return
+        tokens = _as_array(prefix).copy()
+        key = (len(tokens), _prefix_digests(tokens, [len(tokens)])[len(tokens)])
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        self._entries[key] = _Entry(tokens, self._backend.copy_sequence(sequence))
+        while len(self._entries) > self.capacity:
+            _, evicted = self._entries.popitem(last=False)
+            self._backend.release(evicted.state)
+
+    def clear(self) -> None:
+        while self._entries:
+            _, entry = self._entries.popitem()
+            self._backend.release(entry.state)
+
+
+def _as_array(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def _prefix_digests(tokens: np.ndarray, lengths: Sequence[int]) -> dict[int, bytes]:
+    """A digest of `tokens[:n]` for each n in ascending `lengths`, in one pass over the tokens."""
+    data = tokens.astype("<i8", copy=False).tobytes()
+    hasher = hashlib.blake2b(digest_size=16)
+    digests: dict[int, bytes] = {}
+    done = 0
+    for length in lengths:
+        hasher.update(data[done * 8 : length * 8])
+        digests[length] = hasher.copy().digest()
+        done = length
+    return digests

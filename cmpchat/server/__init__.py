@@ -1,0 +1,10 @@
+"""`cmpchat serve`: an OpenAI-compatible HTTP API over the batching engine (Starlette on uvicorn).
+
+The engine knows nothing of HTTP; this package turns requests into engine requests and engine events
+into OpenAI-shaped responses and streams.
+"""
+
+from cmpchat.server.app import create_app
+from cmpchat.server.settings import ServerSettings
+
+__all__ = ["ServerSettings", "create_app"]

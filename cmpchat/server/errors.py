@@ -1,0 +1,71 @@
+"""Errors as OpenAI-style objects: `{"error": {"message", "type", "param", "code"}}`, never a traceback."""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """A request that cannot be served, with the HTTP status and the error object's fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, object]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        headers: dict[str, str] = {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        elif self.status == 503:
+            headers["Retry-After"] = "1"  # busy or loading: worth retrying soon, as clients do on their own
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, object]:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def handle_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (unknown route, wrong method) in the same shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route for {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return ApiError(exc.status_code, message).response()
+
+
+async def handle_user_error(request: Request, exc: Exception) -> Response:
+    """A `CmpchatError` that escaped request preparation: by its contract, something the client can fix."""
+    return ApiError(400, str(exc)).response()
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises the exception after this response, so the server log gets the traceback.
+    return ApiError(500, f"internal server error ({type(exc).__name__}); the server log has the details").response()

@@ -1,0 +1,238 @@
+"""From a validated request body to what the engine runs: messages, prompt tokens, options, tools.
+
+Everything a client can get wrong ends here as a 400 with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from cmpchat.chat.messages import Message, TextPart, Tool, ToolCall
+from cmpchat.chat.output_parser import new_call_id
+from cmpchat.engine import Model
+from cmpchat.errors import CmpchatError
+from cmpchat.generation.reply import GenerationOptions
+from cmpchat.generation.sampling import SamplingParams
+from cmpchat.generation.scheduling import GenerationRequest
+from cmpchat.server.errors import ApiError
+from cmpchat.server.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationFields,
+    ImagePart,
+    NamedToolChoice,
+)
+from cmpchat.server.settings import ServerSettings
+
+MAX_STOP_STRINGS = 16
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    generation: GenerationRequest
+    stream: bool
+    include_usage: bool
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.generation.prompt)
+
+
+def prepare_chat(body: ChatCompletionRequest, model: Model, settings: ServerSettings) -> PreparedRequest:
+    _refuse_unsupported(body)
+    if body.logprobs or body.top_logprobs:
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(
+            400,
+            f"response_format {body.response_format.type!r} is not supported (no constrained decoding); "
+            "ask for JSON in the prompt instead",
+            param="response_format",
+        )
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    tools = _tools(body)
+    enable_thinking = _enable_thinking(body.chat_template_kwargs)
+    try:
+        prompt = model.render(messages, tools=tools, enable_thinking=enable_thinking)
+        history = model.chat_format.render(
+            messages, tools=tools, enable_thinking=enable_thinking, add_generation_prompt=False
+        )
+    except CmpchatError as err:
+        raise ApiError(400, f"messages: {err}", param="messages") from None
+    tokens = model.tokenize(prompt.text, parse_special=True)
+    _check_context(tokens, model)
+    limit = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
+    generation = GenerationRequest(
+        tuple(tokens),
+        _options(body, settings, limit),
+        starts_in_reasoning=prompt.thinking,
+        tools=tuple(tools) if tools else None,
+        cache_points=_conversation_end(tokens, prompt.text, history.text, model),
+    )
+    return PreparedRequest(generation, body.stream, _include_usage(body))
+
+
+def prepare_completion(body: CompletionRequest, model: Model, settings: ServerSettings) -> PreparedRequest:
+    _refuse_unsupported(body)
+    if body.echo:
+        raise ApiError(400, "echo is not supported by this server", param="echo")
+    if body.suffix:
+        raise ApiError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
+    if body.best_of is not None and body.best_of > 1:
+        raise ApiError(400, "best_of > 1 is not supported by this server", param="best_of")
+    if body.logprobs is not None:
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    tokens = _completion_prompt(body.prompt, model)
+    _check_context(tokens, model)
+    limit = body.max_tokens or settings.default_completion_max_tokens
+    generation = GenerationRequest(tuple(tokens), _options(body, settings, limit))
+    return PreparedRequest(generation, body.stream, _include_usage(body))
+
+
+def _refuse_unsupported(body: GenerationFields) -> None:
+    if body.n is not None and body.n > 1:
+        raise ApiError(400, "n > 1 is not supported: this server returns one choice per request", param="n")
+
+
+def _include_usage(body: GenerationFields) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _options(body: GenerationFields, settings: ServerSettings, max_tokens: int) -> GenerationOptions:
+    defaults = settings.sampling
+    top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)
+    try:
+        sampling = SamplingParams(
+            temperature=_pick(body.temperature, defaults.temperature),
+            top_k=top_k,
+            top_p=_pick(body.top_p, defaults.top_p),
+            min_p=_pick(body.min_p, defaults.min_p),
+            repetition_penalty=_pick(body.repetition_penalty, defaults.repetition_penalty),
+            presence_penalty=_pick(body.presence_penalty, defaults.presence_penalty),
+            frequency_penalty=_pick(body.frequency_penalty, defaults.frequency_penalty),
+            penalty_window=defaults.penalty_window,
+            seed=None if body.seed is None or body.seed == -1 else body.seed,
+        )
+    except ValueError as err:
+        raise ApiError(400, str(err)) from None
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")
+    return GenerationOptions(sampling=sampling, max_tokens=max_tokens, stop=stop, prefill_chunk=settings.prefill_chunk)
+
+
+def _pick(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+def _message(message: ChatMessage, index: int) -> Message:
+    where = f"messages.{index}"
+    role = "system" if message.role == "developer" else message.role
+    if message.tool_calls and role != "assistant":
+        raise ApiError(400, f"{where}.tool_calls: only assistant messages carry tool calls", param=where)
+    calls = [
+        _tool_call(call.function.name, call.function.arguments, call.id, f"{where}.tool_calls.{j}")
+        for j, call in enumerate(message.tool_calls or [])
+    ]
+    return Message(
+        role,
+        _content(message, where),
+        reasoning_content=message.reasoning_content,
+        tool_calls=calls,
+        tool_call_id=message.tool_call_id,
+        name=message.name,
+    )
+
+
+def _content(message: ChatMessage, where: str) -> str | list[TextPart]:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    parts: list[TextPart] = []
+    for j, part in enumerate(message.content):
+        if isinstance(part, ImagePart):
+            raise ApiError(
+                400,
+                f"{where}.content.{j}: this server cannot read images: no vision projector is loaded "
+                "(image input is not supported yet)",
+                param=f"{where}.content",
+                code="image_input_not_supported",
+            )
+        parts.append(TextPart(part.text))
+    return parts
+
+
+def _tool_call(name: str, arguments: str | dict[str, Any], call_id: str, where: str) -> ToolCall:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise ApiError(400, f"{where}.function.arguments: not valid JSON", param=where) from None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}.function.arguments: must be a JSON object", param=where)
+    return ToolCall(name=name, arguments=arguments, id=call_id or new_call_id())
+
+
+def _tools(body: ChatCompletionRequest) -> list[Tool] | None:
+    if not body.tools or body.tool_choice == "none":
+        return None
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    # Without constrained decoding, "required" cannot force a call: it offers the tools as "auto" does,
+    # and a named choice offers only that tool.
+    if isinstance(body.tool_choice, NamedToolChoice):
+        name = body.tool_choice.function.name
+        tools = [tool for tool in tools if tool["function"]["name"] == name]
+        if not tools:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return tools
+
+
+def _enable_thinking(kwargs: dict[str, Any] | None) -> bool | None:
+    value = (kwargs or {}).get("enable_thinking")
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false", param="chat_template_kwargs")
+    return value
+
+
+def _conversation_end(tokens: Sequence[int], prompt: str, history: str, model: Model) -> tuple[int, ...]:
+    """Where the generation prompt begins, if it begins on a token boundary: the next turn of this
+    conversation repeats everything before it, so the state there is worth saving."""
+    if not history or not prompt.startswith(history):
+        return ()
+    history_tokens = model.tokenize(history, parse_special=True)
+    end = len(history_tokens)
+    if 0 < end < len(tokens) and list(tokens[:end]) == history_tokens:
+        return (end,)
+    return ()
+
+
+def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]], model: Model) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ApiError(400, "prompt: one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return model.tokenize(prompt, parse_special=True)
+    vocab = model.config.vocab_size
+    if any(not 0 <= token < vocab for token in prompt):
+        raise ApiError(400, f"prompt: token ids must be in 0..{vocab - 1}", param="prompt")
+    return list(prompt)
+
+
+def _check_context(tokens: Sequence[int], model: Model) -> None:
+    if not tokens:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    context = model.config.context_length
+    if len(tokens) >= context:
+        raise ApiError(
+            400,
+            f"the prompt is {len(tokens)} tokens but the model's context holds {context}; shorten it",
+            code="context_length_exceeded",
+        )

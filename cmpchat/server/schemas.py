@@ -1,0 +1,142 @@
+"""The request bodies the server accepts, as typed models (the OpenAI chat and completions APIs).
+
+Validation is strict (no "1" for 1, no 1 for true) and unknown fields are ignored, as OpenAI clients
+send fields that do not apply here. Fields we know but cannot honour are refused in `prepare`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cmpchat.server.errors import ApiError
+
+_MAX_INT64 = 2**63 - 1
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+    """JSON text, as OpenAI sends it; an object is accepted too."""
+
+
+class ToolCallParam(_Body):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class GenerationFields(_Body):
+    """What both endpoints share: the model name, streaming, sampling and limits."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=_MAX_INT64)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=_MAX_INT64)
+    """0 or -1: no top-k filter."""
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    stop: str | list[str] | None = Field(None)
+    seed: int | None = Field(None, ge=-1, le=_MAX_INT64)
+    """-1: a random seed, as llama-server reads it."""
+    n: int | None = Field(None, ge=1, le=128)
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_INT64)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+
+def parse_body(model: type[BodyT], data: object) -> BodyT:
+    """Validate a decoded JSON body; a failure becomes a 400 naming the first bad field."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
