@@ -12,18 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cmpchat.backends.cuda.device import cuda_gpu_present
 from cmpchat.engine import open_model
-from cmpchat.errors import CmpchatError
 
 TOLERANCE = {"cpu": 1e-4, "cuda": 1e-2}
 
 
 @pytest.mark.parametrize("backend_name", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_batched_decode_logits_match_single_sequence_logits(tiny_model_path: Path, backend_name: str) -> None:
-    try:
-        model = open_model(tiny_model_path, backend=backend_name)  # type: ignore[arg-type]
-    except CmpchatError as err:
-        pytest.skip(f"backend {backend_name!r} is not available: {err}")
+    if backend_name == "cuda" and not cuda_gpu_present():
+        pytest.skip("no usable NVIDIA GPU")
+    # Four batched sequences and their four copies.
+    model = open_model(tiny_model_path, backend=backend_name, sequences=8, context=4096)  # type: ignore[arg-type]
     backend = model.backend
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, size=length).tolist() for length in (3, 17, 40, 9)]
@@ -33,8 +33,10 @@ def test_batched_decode_logits_match_single_sequence_logits(tiny_model_path: Pat
     alone = [backend.copy_sequence(sequence) for sequence in batched]
     for _ in range(6):
         tokens = rng.integers(0, 256, size=len(prompts)).tolist()
-        together = backend.decode(batched, tokens)
-        separate = np.stack([backend.decode([seq], [tok])[0] for seq, tok in zip(alone, tokens, strict=True)])
+        together = backend.to_host(backend.decode(batched, tokens))
+        separate = np.stack(
+            [backend.to_host(backend.decode([seq], [tok]))[0] for seq, tok in zip(alone, tokens, strict=True)]
+        )
         scale = float(np.abs(separate).max())
         assert np.abs(together - separate).max() <= TOLERANCE[backend_name] * scale
         assert (together.argmax(axis=1) == separate.argmax(axis=1)).all()
