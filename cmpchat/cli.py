@@ -7,18 +7,20 @@ import sys
 from collections.abc import Sequence
 
 from cmpchat import __version__
-from cmpchat.commands import info, run, serve, tokenize
+from cmpchat.commands import chat_app, info, run, serve, tokenize
 from cmpchat.errors import CmpchatError
 
-COMMANDS = (run, serve, info, tokenize)
+COMMANDS = (chat_app, run, serve, info, tokenize)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cmpchat",
-        description="Chat with Qwen3.5 / Qwen3.6 models on NVIDIA CMP 100-210 mining GPUs.",
+        description="Chat with Qwen3.5 / Qwen3.6 models on NVIDIA CMP 100-210 mining GPUs. "
+        "With no command, opens the chat app.",
     )
     parser.add_argument("--version", action="version", version=f"cmpchat {__version__}")
+    chat_app.add_app_arguments(parser)  # `cmpchat [-m FILE]` alone opens the chat app
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(commands)
@@ -29,8 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.print_help()
-        return 0
+        args.handler = chat_app.run
     try:
         return args.handler(args)
     except CmpchatError as err:

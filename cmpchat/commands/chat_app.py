@@ -1,0 +1,66 @@
+"""`cmpchat chat` (and `cmpchat` with no command): the terminal chat app.
+
+The model: `-m FILE`, else the one used last, else a picker of GGUF files found on the machine, else the
+demo model (with a banner saying its replies are random).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cmpchat.engine import BACKENDS
+from cmpchat.errors import CmpchatError
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "chat", help="open the terminal chat app (what `cmpchat` alone does)", description=__doc__
+    )
+    add_app_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def add_app_arguments(parser: argparse.ArgumentParser) -> None:
+    """The app's options; also added to the top-level parser so `cmpchat -m FILE` works without `chat`."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("-m", "--model", metavar="MODEL", help="GGUF model file (default: the last one used)")
+    source.add_argument("--demo", action="store_true", help="open the demo model (random weights)")
+    source.add_argument("--pick", action="store_true", help="choose among the GGUF files found on this machine")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None, help="compute backend (default: from config, else auto)"
+    )
+    parser.add_argument(
+        "--simulated-gpus",
+        type=int,
+        metavar="N",
+        help="show N simulated GPUs in the GPU panel instead of reading NVML (to try the panel on any machine)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: Textual and the image protocols are only needed when the app opens, and
+    # textual_image must query the terminal before Textual takes it over.
+    from cmpchat.tui.app import CmpchatApp
+    from cmpchat.tui.gpu_sampler import FakeGpuSampler
+    from cmpchat.tui.model_request import ModelRequest
+    from cmpchat.tui.settings import load_settings
+
+    settings, problems = load_settings()
+    if args.backend:
+        settings.backend = args.backend
+    request: ModelRequest | None = None
+    if args.model:
+        path = Path(args.model).expanduser()
+        if not path.is_file():
+            raise CmpchatError(f"{path}: no such file; give the path of a .gguf model file")
+        request = ModelRequest(path)
+    elif args.demo:
+        request = ModelRequest(None)
+    sampler = FakeGpuSampler(args.simulated_gpus) if args.simulated_gpus else None
+    app = CmpchatApp(model_request=request, settings=settings, settings_problems=problems, gpu_sampler=sampler)
+    if args.pick:
+        app.requested_model = None
+        app.app_state.last_model = None
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,185 @@
+"""Finding GGUF models already on the machine: llama.cpp's cache, the Hugging Face hub cache, LM Studio's
+folders, `~/models`, and folders the user configured.
+
+Only the first few metadata keys of each file are read (architecture, name), so a folder of 27B files
+is listed in milliseconds. A vision projector (`mmproj*.gguf`, or a file whose metadata says it is
+one) is paired with the models in its folder rather than listed as a model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+from cmpchat.model.config import ARCHITECTURE
+
+_HEADER_BYTES = 256 * 1024
+_MAX_DEPTH = 6
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_PROJECTOR_ARCHITECTURES = frozenset({"clip", "mmproj"})
+
+
+@dataclass(frozen=True, slots=True)
+class SearchRoot:
+    """A folder to look in, and what to call it in the picker."""
+
+    label: str
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class FoundModel:
+    """A GGUF model file on disk and what its header says."""
+
+    path: Path
+    size: int
+    source: str
+    """Which search root it was found under (e.g. "Hugging Face cache")."""
+    name: str
+    """`general.name` from the file, else the file name without `.gguf`."""
+    architecture: str
+    projector: Path | None = None
+    """A vision projector lying beside the model, if any."""
+
+    @property
+    def supported(self) -> bool:
+        """Whether cmpchat can run it (dense Qwen3.5 / Qwen3.6)."""
+        return self.architecture == ARCHITECTURE
+
+
+def default_roots(extra: Iterable[str | Path] = ()) -> list[SearchRoot]:
+    """The usual places models are kept, then `extra` folders (from the settings); missing ones included."""
+    home = Path.home()
+    env = os.environ
+    llama_cache = env.get("LLAMA_CACHE") or platformdirs.user_cache_dir("llama.cpp")
+    hf_home = env.get("HF_HOME") or str(Path(env.get("XDG_CACHE_HOME") or home / ".cache") / "huggingface")
+    hf_hub = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or str(Path(hf_home) / "hub")
+    roots = [
+        SearchRoot("llama.cpp cache", Path(llama_cache)),
+        SearchRoot("Hugging Face cache", Path(hf_hub)),
+        SearchRoot("LM Studio", home / ".lmstudio" / "models"),
+        SearchRoot("LM Studio", home / ".cache" / "lm-studio" / "models"),
+        SearchRoot("~/models", home / "models"),
+    ]
+    roots += [SearchRoot("settings", Path(folder).expanduser()) for folder in extra]
+    return roots
+
+
+def find_models(roots: Sequence[SearchRoot] | None = None) -> list[FoundModel]:
+    """Every GGUF model under `roots` (default: `default_roots()`), supported ones first, then by name.
+
+    Split models are listed once, by their first part; unreadable files and folders are skipped.
+    """
+    found: dict[Path, FoundModel] = {}
+    for root in default_roots() if roots is None else roots:
+        for folder, files in _walk(root.path):
+            models: list[tuple[Path, dict[str, object]]] = []
+            projectors: list[Path] = []
+            for file_name in files:
+                if not file_name.lower().endswith(".gguf"):
+                    continue
+                shard = _SHARD.search(file_name)
+                if shard and int(shard.group(1)) != 1:
+                    continue
+                path = folder / file_name
+                header = read_header(path)
+                if header is None:
+                    continue
+                if _is_projector(file_name, header):
+                    projectors.append(path)
+                else:
+                    models.append((path, header))
+            for path, header in models:
+                resolved = path.resolve()
+                if resolved in found:
+                    continue
+                found[resolved] = FoundModel(
+                    path=path,
+                    size=_size(resolved),
+                    source=root.label,
+                    name=str(header.get("general.name") or path.name.removesuffix(".gguf")),
+                    architecture=str(header.get("general.architecture", "")),
+                    projector=_pick_projector(path, projectors),
+                )
+    return sorted(found.values(), key=lambda model: (not model.supported, model.name.lower(), str(model.path)))
+
+
+def read_header(path: Path) -> dict[str, object] | None:
+    """The scalar metadata at the start of a GGUF file, up to its first array; None if it is not GGUF."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_HEADER_BYTES)
+    except OSError:
+        return None
+    if len(data) < 24 or data[:4] != b"GGUF":
+        return None
+    values: dict[str, object] = {}
+    offset = 24  # magic, version, tensor count, key count
+    try:
+        (count,) = struct.unpack_from("<Q", data, 16)
+        for _ in range(count):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            key = data[offset + 8 : offset + 8 + length].decode("utf-8", "replace")
+            offset += 8 + length
+            (kind,) = struct.unpack_from("<I", data, offset)
+            offset += 4
+            if kind == 8:  # string
+                (length,) = struct.unpack_from("<Q", data, offset)
+                values[key] = data[offset + 8 : offset + 8 + length].decode("utf-8", "replace")
+                offset += 8 + length
+            elif kind in _SCALAR_FORMATS:
+                fmt = _SCALAR_FORMATS[kind]
+                (values[key],) = struct.unpack_from(fmt, data, offset)
+                offset += struct.calcsize(fmt)
+            else:
+                break  # an array (the vocabulary): the keys we want come before it
+    except struct.error:
+        pass  # header longer than what was read: keep what was found
+    return values
+
+
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _is_projector(file_name: str, header: dict[str, object]) -> bool:
+    return (
+        "mmproj" in file_name.lower()
+        or header.get("general.type") == "mmproj"
+        or header.get("general.architecture") in _PROJECTOR_ARCHITECTURES
+    )
+
+
+def _pick_projector(model: Path, projectors: Sequence[Path]) -> Path | None:
+    """The projector beside `model`: the only one, else the one sharing the longest name prefix."""
+    if not projectors:
+        return None
+    if len(projectors) == 1:
+        return projectors[0]
+    stem = model.name.lower()
+    return max(projectors, key=lambda p: len(os.path.commonprefix([stem, p.name.lower().replace("mmproj-", "")])))
+
+
+def _walk(root: Path) -> Iterable[tuple[Path, list[str]]]:
+    if not root.is_dir():
+        return
+    base_depth = len(root.parts)
+    # followlinks: the Hugging Face cache is symlinks from snapshots/ to blobs/; files are deduplicated by target.
+    for folder, subfolders, files in os.walk(root, followlinks=True, onerror=lambda _err: None):
+        path = Path(folder)
+        if len(path.parts) - base_depth >= _MAX_DEPTH:
+            subfolders.clear()
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and name != "blobs"]
+        yield path, sorted(files)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -1,0 +1,356 @@
+"""`CmpchatApp`: settings, themes and keys, the history store, the model (loaded on a worker thread with
+progress), the GPU monitor, and the chat screen that does the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import RenderableType
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.message import Message
+from textual.reactive import var
+
+from cmpchat.engine import Model
+from cmpchat.errors import CmpchatError
+from cmpchat.history.images import ImageStore
+from cmpchat.history.store import HistoryStore, SearchHit
+from cmpchat.model.discovery import FoundModel, default_roots, find_models
+from cmpchat.paths import data_dir
+from cmpchat.tui.gpu_sampler import GpuMonitor, GpuReading, GpuSampler, open_nvml_sampler
+from cmpchat.tui.model_request import ModelOpener, ModelRequest, open_requested
+from cmpchat.tui.screens.chat_screen import ChatScreen
+from cmpchat.tui.screens.help import HelpScreen, binding_rows
+from cmpchat.tui.screens.model_picker import ModelPickerScreen
+from cmpchat.tui.session import ChatSession
+from cmpchat.tui.settings import AppState, Settings, load_state, save_state, settings_path
+from cmpchat.tui.themes import DEFAULT_THEME, load_themes
+from cmpchat.tui.widgets.chat_list import ChatRows
+from cmpchat.tui.widgets.prompt import PromptArea
+
+__all__ = ["CmpchatApp", "ModelRequest"]
+
+_PROGRESS_INTERVAL = 0.1
+"""Seconds between load progress reports sent to the screen (the builder reports far more often)."""
+
+
+class CmpchatApp(App[None]):
+    """The `cmpchat` terminal app. Every collaborator can be passed in, so tests run it on fakes."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "cmpchat"
+    ENABLE_COMMAND_PALETTE = True
+    BINDINGS = [
+        Binding(
+            "ctrl+q",
+            "quit",
+            "quit",
+            id="app.quit",
+            priority=True,
+            show=False,
+            tooltip="Quit (a reply being written is kept)",
+        ),
+        Binding("f1", "help", "keys", id="app.help", show=False, tooltip="This list of keys"),
+    ]
+
+    model: var[Model | None] = var(None)
+    gpu_readings: var[tuple[GpuReading, ...]] = var(())
+    gpu_problem: var[str | None] = var(None)
+
+    @dataclass
+    class LoadProgressed(Message):
+        stage: str
+        done: int
+        total: int
+
+    @dataclass
+    class ModelLoaded(Message):
+        request: ModelRequest
+        model: Model
+
+    @dataclass
+    class GpuReadings(Message):
+        readings: tuple[GpuReading, ...]
+
+    @dataclass
+    class ModelFailed(Message):
+        request: ModelRequest
+        error: str
+
+    def __init__(
+        self,
+        *,
+        model_request: ModelRequest | None = None,
+        settings: Settings | None = None,
+        settings_problems: list[str] | None = None,
+        state: AppState | None = None,
+        state_file: Path | None = None,
+        history: HistoryStore | None = None,
+        images: ImageStore | None = None,
+        gpu_sampler: GpuSampler | None = None,
+        discover: Callable[[], list[FoundModel]] | None = None,
+        opener: ModelOpener | None = None,
+        theme_folders: list[Path] | None = None,
+    ) -> None:
+        super().__init__()
+        self.settings = settings or Settings()
+        self.settings_problems = settings_problems or []
+        self.state_file = state_file
+        self.app_state = state if state is not None else load_state(state_file)
+        self.history = history or HistoryStore(data_dir() / "history.sqlite3")
+        self.images = images or ImageStore(data_dir() / "images")
+        self.requested_model = model_request
+        self.discover = discover or (lambda: find_models(default_roots(self.settings.model_dirs)))
+        self.opener = opener
+        self._gpu_sampler = gpu_sampler
+        self._gpu_monitor: GpuMonitor | None = None
+        self._theme_folders = theme_folders
+        self._loaded_request: ModelRequest | None = None
+        self.set_keymap(self.settings.keymap)
+
+    # -- start and end --------------------------------------------------------------------------
+
+    def get_default_screen(self) -> ChatScreen:
+        session = ChatSession(self.history, self.images, self.settings.chat_options())
+        if self.app_state.last_chat is not None:
+            session = (
+                ChatSession.open(self.history, self.images, self.settings.chat_options(), self.app_state.last_chat)
+                or session
+            )
+        thinking = self.settings.thinking if self.app_state.thinking is None else self.app_state.thinking
+        return ChatScreen(session, thinking=thinking, show_chat_list=self.settings.show_chat_list)
+
+    def on_mount(self) -> None:
+        self._register_themes()
+        for problem in self.settings_problems:
+            self.notify(problem, severity="warning", timeout=8)
+        interrupted = self.history.recover_interrupted()
+        if interrupted:
+            self.notify(
+                f"{interrupted} repl{'ies were' if interrupted > 1 else 'y was'} cut off when cmpchat last ended; "
+                "kept and marked interrupted.",
+                timeout=6,
+            )
+        self._start_gpu_monitor()
+        if not self.is_headless:
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGTERM, self._terminate)
+            loop.add_signal_handler(signal.SIGHUP, self._terminal_gone)
+
+    def on_ready(self) -> None:
+        # After the first screen is composed: loading reports progress into it.
+        self._choose_model()
+
+    def _terminate(self) -> None:
+        """SIGTERM: leave normally (restoring the terminal), but never hang on the way out."""
+        self._save_interrupted()
+        self._save_state()
+        fallback = threading.Timer(3.0, os._exit, args=(128 + signal.SIGTERM,))
+        fallback.daemon = True
+        fallback.start()
+        self.exit()
+
+    def _terminal_gone(self) -> None:
+        """SIGHUP: the SSH session or tmux server went away. There is no terminal left to restore, and
+        writing to the dead one can block the normal shutdown, so keep the reply and state and leave."""
+        self._save_interrupted()
+        self._save_state()
+        self.history.close()
+        os._exit(128 + signal.SIGHUP)
+
+    def exit(self, result: None = None, return_code: int = 0, message: RenderableType | None = None) -> None:
+        # Every way out comes here: keep a streaming reply (marked interrupted) and stop its thread now,
+        # since closing the screen waits for its workers.
+        self._save_interrupted()
+        super().exit(result, return_code, message)
+
+    def _save_interrupted(self) -> None:
+        screen = self.chat_screen
+        if screen is not None:
+            screen.save_interrupted()
+
+    def on_unmount(self) -> None:
+        self._save_interrupted()
+        if self._gpu_monitor is not None:
+            self._gpu_monitor.stop()
+        self._save_state()
+        self.history.close()
+
+    @property
+    def chat_screen(self) -> ChatScreen | None:
+        for screen in self.screen_stack:
+            if isinstance(screen, ChatScreen):
+                return screen
+        return None
+
+    # -- themes, keys, remembered state ---------------------------------------------------------
+
+    def _register_themes(self) -> None:
+        themes, problems = load_themes(self._theme_folders)
+        for theme in themes:
+            self.register_theme(theme)
+        for problem in problems:
+            self.notify(problem, severity="warning", timeout=8)
+        wanted = self.app_state.theme or self.settings.theme
+        if wanted not in self.available_themes:
+            if wanted != DEFAULT_THEME:
+                self.notify(f"theme '{wanted}' not found; using {DEFAULT_THEME}", severity="warning")
+            wanted = DEFAULT_THEME if DEFAULT_THEME in self.available_themes else "textual-dark"
+        self.theme = wanted
+        self._themes_ready = True
+
+    def watch_theme(self, theme: str) -> None:
+        # Changes after start-up are the person's choice (the palette's theme picker): remember them.
+        if getattr(self, "_themes_ready", False) and self.app_state.theme != theme:
+            self.app_state.theme = theme
+            self._save_state()
+
+    def remember_thinking(self, thinking: bool) -> None:
+        self.app_state.thinking = thinking
+        self._save_state()
+
+    def remember_chat(self, chat_id: int | None) -> None:
+        if self.app_state.last_chat != chat_id:
+            self.app_state.last_chat = chat_id
+            self._save_state()  # now, not at exit: after a crash the chat that was open opens again
+
+    def _save_state(self) -> None:
+        try:
+            save_state(self.app_state, self.state_file)
+        except OSError as err:
+            self.log.warning(f"could not save the app state: {err}")
+
+    def action_help(self) -> None:
+        bindings = [*ChatScreen.BINDINGS, *PromptArea.BINDINGS[-2:], *ChatRows.BINDINGS, *self.BINDINGS]
+        self.push_screen(HelpScreen(binding_rows(bindings, self.settings.keymap), str(settings_path())))
+
+    # -- history --------------------------------------------------------------------------------
+
+    def search_chats(self, text: str) -> list[SearchHit]:
+        return self.history.search(text)
+
+    # -- the model ------------------------------------------------------------------------------
+
+    @property
+    def model_label(self) -> str:
+        model = self.model
+        if model is None:
+            return "no model"
+        return "demo model" if model.is_demo else model.path.name
+
+    @property
+    def device_label(self) -> str:
+        model = self.model
+        if model is None:
+            return ""
+        gpus = len(self.gpu_readings)
+        backend = getattr(model.backend, "name", "cpu")
+        return f"{gpus} GPU{'s' if gpus != 1 else ''}" if backend not in ("cpu", "reference") and gpus else "CPU"
+
+    def _choose_model(self) -> None:
+        if self.requested_model is not None:
+            self.load_model(self.requested_model)
+            return
+        last = self.app_state.last_model
+        if last is not None and (last == "" or Path(last).is_file()):
+            self.load_model(ModelRequest.from_remembered(last))
+            return
+        self._discover_first_model()
+
+    @work(thread=True, exclusive=True, group="discover", exit_on_error=False)
+    def _discover_first_model(self) -> None:
+        found = self.discover()
+        if any(model.supported for model in found):
+            self.call_from_thread(self.open_model_picker, found, False)
+        else:
+            self.call_from_thread(self.load_model, ModelRequest(None))
+
+    def open_model_picker(self, found: list[FoundModel] | None = None, can_cancel: bool = True) -> None:
+        def chosen(request: ModelRequest | None) -> None:
+            if request is not None:
+                self.load_model(request)
+
+        discover = (lambda: found) if found is not None else self.discover
+        self.push_screen(ModelPickerScreen(discover, can_cancel=can_cancel), chosen)
+
+    def load_model(self, request: ModelRequest) -> None:
+        screen = self.chat_screen
+        if screen is not None:
+            if screen.generating:
+                self.notify("Stop the reply first (Esc), then change the model.", severity="warning")
+                return
+            screen.show_loading(request.label)
+        self.model = None
+        self._load(request)
+
+    @work(thread=True, exclusive=True, group="load", exit_on_error=False)
+    def _load(self, request: ModelRequest) -> None:
+        last_report = 0.0
+
+        def progress(stage: str, done: int, total: int) -> None:
+            nonlocal last_report
+            now = time.monotonic()
+            if now - last_report >= _PROGRESS_INTERVAL or (total and done >= total):
+                last_report = now
+                self.post_message(self.LoadProgressed(stage, done, total))
+
+        try:
+            model = open_requested(request, self.settings.backend, progress, self.opener)
+        except CmpchatError as err:
+            self.post_message(self.ModelFailed(request, str(err)))
+            return
+        except Exception as err:  # a driver or file problem: say so and let the person pick again
+            self.post_message(self.ModelFailed(request, f"{type(err).__name__}: {err}"))
+            return
+        self.post_message(self.ModelLoaded(request, model))
+
+    def on_cmpchat_app_load_progressed(self, message: LoadProgressed) -> None:
+        screen = self.chat_screen
+        if screen is not None:
+            screen.loading_progress(message.stage, message.done, message.total)
+
+    def on_cmpchat_app_model_loaded(self, message: ModelLoaded) -> None:
+        self._loaded_request = message.request
+        self.model = message.model
+        self.app_state.last_model = message.request.remembered
+        self._save_state()
+        if message.model.is_demo:
+            self.notify("Demo model: random weights, so its replies are random text.", severity="warning", timeout=5)
+
+    def on_cmpchat_app_model_failed(self, message: ModelFailed) -> None:
+        screen = self.chat_screen
+        if screen is not None:
+            screen.loading_failed()
+        self.notify(message.error, title=f"Could not open {message.request.label}", severity="error", timeout=10)
+        self.open_model_picker()
+
+    # -- GPUs -----------------------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="gpu-start", exit_on_error=False)
+    def _start_gpu_monitor(self) -> None:
+        # Opening NVML can take a while on a busy box: done here, never on the UI thread.
+        sampler = self._gpu_sampler or open_nvml_sampler()
+        self.call_from_thread(self._gpu_sampler_ready, sampler)
+
+    def _gpu_sampler_ready(self, sampler: GpuSampler) -> None:
+        self._gpu_sampler = sampler
+        self.gpu_problem = sampler.problem
+        self._gpu_monitor = GpuMonitor(sampler, self._readings_from_thread, self.settings.gpu_sample_seconds)
+        self._gpu_monitor.start()
+
+    def _readings_from_thread(self, readings: list[GpuReading]) -> None:
+        # post_message never blocks, so stopping the monitor cannot wait on a UI that is shutting down.
+        self.post_message(self.GpuReadings(tuple(readings)))
+
+    def on_cmpchat_app_gpu_readings(self, message: GpuReadings) -> None:
+        self.gpu_readings = message.readings
+        if self._gpu_sampler is not None:
+            self.gpu_problem = self._gpu_sampler.problem

@@ -1,0 +1,207 @@
+"""Per-GPU readings (utilisation, memory, temperature, power, PCIe traffic) behind a small interface.
+
+`open_nvml_sampler()` reads NVIDIA's management library through nvidia-ml-py; tests and machines
+without a GPU use `FakeGpuSampler` or get a sampler whose `problem` says why there are no readings.
+`GpuMonitor` reads a sampler on its own thread so the app never waits on NVML (a PCIe throughput
+reading alone takes ~20 ms per GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """One GPU at one moment; a field is None when the driver does not report it."""
+
+    index: int
+    name: str
+    utilization: float | None = None
+    """Percent of time a kernel ran during the last sample period."""
+    memory_used: int | None = None
+    """Bytes."""
+    memory_total: int | None = None
+    temperature: int | None = None
+    """Degrees Celsius."""
+    power: float | None = None
+    """Watts."""
+    power_limit: float | None = None
+    pcie_rx: float | None = None
+    """Bytes per second into the GPU."""
+    pcie_tx: float | None = None
+
+
+class GpuSampler(Protocol):
+    """Something that reads every GPU; `problem` is a one-line reason when there is nothing to read."""
+
+    problem: str | None
+
+    def read(self) -> list[GpuReading]: ...
+
+    def close(self) -> None: ...
+
+
+class UnavailableSampler:
+    """No GPUs to read, and why."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem: str | None = problem
+
+    def read(self) -> list[GpuReading]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class FakeGpuSampler:
+    """Readings that move smoothly and repeat exactly: for tests, screenshots and machines without GPUs."""
+
+    def __init__(self, count: int = 4, *, name: str = "NVIDIA CMP 100-210", busy: bool = True) -> None:
+        self.problem: str | None = None
+        self.count = count
+        self.name = name
+        self.busy = busy
+        self.step = 0
+
+    def read(self) -> list[GpuReading]:
+        readings = []
+        for index in range(self.count):
+            wave = 0.5 + 0.5 * math.sin(self.step * 0.7 + index * 1.3)
+            load = (55 + 43 * wave) if self.busy else 3 * wave
+            readings.append(
+                GpuReading(
+                    index=index,
+                    name=self.name,
+                    utilization=round(load),
+                    memory_used=int((12.5 + index * 0.3) * 2**30),
+                    memory_total=16 * 2**30,
+                    temperature=round(50 + 0.2 * load + index * 2),
+                    power=round(40 + 1.5 * load),
+                    power_limit=250.0,
+                    pcie_rx=(1.5 + wave) * 2**20,
+                    pcie_tx=(0.2 + wave / 4) * 2**20,
+                )
+            )
+        self.step += 1
+        return readings
+
+    def close(self) -> None:
+        pass
+
+
+class NvmlSampler:
+    """Reads every GPU through NVML; a reading the driver refuses (common on mining cards) becomes None."""
+
+    def __init__(self, nvml: Any) -> None:
+        self.problem: str | None = None
+        self._nvml = nvml
+        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        self._names = [_text(self._call(nvml.nvmlDeviceGetName, handle) or "GPU") for handle in self._handles]
+        if not self._handles:
+            self.problem = "no NVIDIA GPU found"
+
+    def read(self) -> list[GpuReading]:
+        nvml = self._nvml
+        readings = []
+        for index, handle in enumerate(self._handles):
+            rates = self._call(nvml.nvmlDeviceGetUtilizationRates, handle)
+            memory = self._call(nvml.nvmlDeviceGetMemoryInfo, handle)
+            power = self._call(nvml.nvmlDeviceGetPowerUsage, handle)
+            limit = self._call(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+            rx = self._call(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_RX_BYTES)
+            tx = self._call(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_TX_BYTES)
+            readings.append(
+                GpuReading(
+                    index=index,
+                    name=self._names[index],
+                    utilization=None if rates is None else float(rates.gpu),
+                    memory_used=None if memory is None else int(memory.used),
+                    memory_total=None if memory is None else int(memory.total),
+                    temperature=self._call(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+                    power=None if power is None else power / 1000.0,  # NVML reports milliwatts
+                    power_limit=None if limit is None else limit / 1000.0,
+                    pcie_rx=None if rx is None else rx * 1024.0,  # NVML reports KB/s
+                    pcie_tx=None if tx is None else tx * 1024.0,
+                )
+            )
+        return readings
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
+            pass
+
+    def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return function(*args)
+        except self._nvml.NVMLError:
+            return None
+
+
+def open_nvml_sampler() -> GpuSampler:
+    """An NVML sampler, or an `UnavailableSampler` saying why there is none (no package, driver or GPU)."""
+    try:
+        import pynvml
+    except ImportError:
+        return UnavailableSampler("no GPU readings: nvidia-ml-py is not installed")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        return UnavailableSampler(
+            f"no GPU readings: NVML did not start ({_text(str(err))}); is the NVIDIA driver loaded?"
+        )
+    try:
+        sampler = NvmlSampler(pynvml)
+    except pynvml.NVMLError as err:
+        return UnavailableSampler(f"no GPU readings: {_text(str(err))}")
+    return sampler if sampler.problem is None else UnavailableSampler(sampler.problem)
+
+
+class GpuMonitor:
+    """Reads `sampler` every `interval` seconds on a daemon thread and hands each reading to `on_readings`.
+
+    `on_readings` runs on that thread: give it something thread-safe, such as `App.call_from_thread`
+    wrapped around a setter, or `post_message`.
+    """
+
+    def __init__(
+        self, sampler: GpuSampler, on_readings: Callable[[list[GpuReading]], None], interval: float = 1.0
+    ) -> None:
+        self.sampler = sampler
+        self.interval = interval
+        self._on_readings = on_readings
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cmpchat-gpu-monitor", daemon=True)
+
+    def start(self) -> None:
+        if self.sampler.problem is None:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        self.sampler.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                readings = self.sampler.read()
+            except Exception as err:  # a driver hiccup must not kill the monitor or the app
+                readings = []
+                self.sampler.problem = f"readings stopped: {err}"
+            self._on_readings(readings)
+            if self.sampler.problem is not None:
+                return
+            self._stop.wait(self.interval)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value

@@ -1,0 +1,58 @@
+"""Which model to open, and opening it with progress reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from cmpchat.engine import Model, open_model
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRequest:
+    """A model file to open (None: the demo model) and the vision projector found beside it, if any."""
+
+    path: Path | None = None
+    projector: Path | None = None
+
+    @property
+    def label(self) -> str:
+        return "the demo model" if self.path is None else self.path.name
+
+    @property
+    def remembered(self) -> str:
+        """How `AppState.last_model` records it: the path, or "" for the demo model."""
+        return "" if self.path is None else str(self.path)
+
+    @classmethod
+    def from_remembered(cls, value: str) -> ModelRequest:
+        return cls(None if value == "" else Path(value))
+
+
+class ModelOpener(Protocol):
+    """`cmpchat.open_model`'s shape; tests pass a stand-in that returns a scripted model."""
+
+    def __call__(self, path: Path | None, *, backend: str, progress: Callable[[str, int, int], None]) -> Model: ...
+
+
+def open_requested(
+    request: ModelRequest, backend: str, progress: Callable[[str, int, int], None], opener: ModelOpener | None = None
+) -> Model:
+    """Open the requested model; the projector is not used yet (no vision support in the engine)."""
+    if opener is not None:
+        return opener(request.path, backend=backend, progress=progress)
+    return open_model(request.path, backend=backend, progress=progress)  # type: ignore[arg-type]
+
+
+def context_limit(model: Model) -> int:
+    """Tokens a conversation may hold: what the backend allocated (GPU), else the model's own maximum."""
+    allocated = getattr(model.backend, "context_per_sequence", None)
+    return int(allocated) if allocated else model.config.context_length
+
+
+def model_sees_images(model: object) -> bool:
+    """Whether the model can look at images. The engine has no vision projector support yet; when it
+    has, `Model.supports_images` will say so, and this is the one place that asks."""
+    return bool(getattr(model, "supports_images", False))

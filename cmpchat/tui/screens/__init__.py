@@ -1,0 +1,1 @@
+"""The main chat screen and the dialogs and overlays it opens."""

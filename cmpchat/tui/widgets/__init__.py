@@ -1,0 +1,1 @@
+"""The pieces of the main screen, one module per region."""

@@ -1,0 +1,66 @@
+"""The conversation: every turn of the open chat, following the newest text unless the reader scrolled up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from cmpchat.history.store import MessageRecord
+from cmpchat.tui.widgets.messages import ReplyView, UserMessage
+
+_EMPTY_HINT = (
+    "Type a message below and press [b]Enter[/b].\n"
+    "Ctrl+J new line · Ctrl+T thinking on/off · Ctrl+S system prompt and sampling · F1 all keys"
+)
+
+
+class Conversation(VerticalScroll):
+    """Turns in order. Anchored to the bottom: new text keeps it there until the reader scrolls up,
+    and scrolling back to the bottom re-attaches it (Textual's `anchor`)."""
+
+    def on_mount(self) -> None:
+        self.anchor()
+
+    async def show(self, records: Sequence[MessageRecord], image_path: Callable[[str], Path], model_label: str) -> None:
+        """Replace what is shown with the stored turns of a chat."""
+        await self.remove_children()
+        views = []
+        for record in records:
+            if record.role == "user":
+                views.append(UserMessage(record.content, [image_path(i) for i in record.images]))
+            elif record.role == "assistant":
+                views.append(ReplyView(model_label, record))
+        if not views:
+            views.append(Static(_EMPTY_HINT, classes="empty-hint"))
+        await self.mount_all(views)
+        self.anchor()
+
+    async def add_user(self, text: str, images: Sequence[Path]) -> UserMessage:
+        await self._drop_hint()
+        view = UserMessage(text, images)
+        await self.mount(view)
+        self.anchor()
+        return view
+
+    async def add_reply(self, model_label: str) -> ReplyView:
+        view = ReplyView(model_label)
+        await self.mount(view)
+        self.anchor()
+        return view
+
+    async def remove_last(self, count: int) -> None:
+        """Remove the last `count` turns (for regenerate and edit)."""
+        turns = [child for child in self.children if isinstance(child, UserMessage | ReplyView)]
+        for view in turns[len(turns) - count :] if count else []:
+            await view.remove()
+
+    def last_reply(self) -> ReplyView | None:
+        replies = list(self.query_children(ReplyView))
+        return replies[-1] if replies else None
+
+    async def _drop_hint(self) -> None:
+        for hint in self.query_children(".empty-hint"):
+            await hint.remove()

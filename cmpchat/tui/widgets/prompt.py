@@ -1,0 +1,105 @@
+"""The prompt: a multi-line text area (Enter sends, Ctrl+J adds a line) and the images attached to it.
+
+Keys that terminals disagree on: Shift+Enter reaches the app only with the kitty keyboard protocol,
+so Ctrl+J (a plain line feed everywhere) and Alt+Enter (ESC CR) are the new-line keys that always work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal
+from textual.message import Message
+from textual.reactive import reactive
+from textual.widgets import Static, TextArea
+
+from cmpchat.history.images import StoredImage
+
+PLACEHOLDER = "Enter send · Ctrl+J new line · Ctrl+O image · Esc stop"
+
+
+def _without_keys(bindings: list[BindingType], taken: set[str]) -> list[BindingType]:
+    """`bindings` with the keys in `taken` removed (a binding left with no key is dropped)."""
+    kept: list[BindingType] = []
+    for binding in bindings:
+        if not isinstance(binding, Binding):
+            kept.append(binding)
+            continue
+        keys = [key for key in binding.key.split(",") if key.strip() not in taken]
+        if keys:
+            kept.append(replace(binding, key=",".join(keys)))
+    return kept
+
+
+class PromptArea(TextArea, inherit_bindings=False):
+    """Where the person writes. Posts `Submitted` on Enter with the text, leaving clearing to the screen.
+
+    TextArea's own Ctrl+E (line end; End still works) and Ctrl+X (cut; Super+X still works) are given up
+    to the chat screen's "edit last" and "export", so those keys work while typing.
+    """
+
+    BINDINGS = [
+        *_without_keys(TextArea.BINDINGS, {"ctrl+e", "ctrl+x"}),
+        Binding("enter", "submit", "send", id="prompt.send", priority=True, show=False, tooltip="Send the message"),
+        Binding(
+            "ctrl+j,alt+enter,shift+enter", "newline", "new line", id="prompt.newline", show=False, tooltip="New line"
+        ),
+    ]
+
+    @dataclass
+    class Submitted(Message):
+        """The person pressed Enter."""
+
+        prompt_area: PromptArea
+        text: str
+
+        @property
+        def control(self) -> PromptArea:
+            return self.prompt_area
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(
+            id=id,
+            soft_wrap=True,
+            show_line_numbers=False,
+            tab_behavior="focus",
+            compact=True,
+            placeholder=PLACEHOLDER,
+            highlight_cursor_line=False,
+        )
+
+    def action_submit(self) -> None:
+        self.post_message(self.Submitted(self, self.text))
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """An image attached to the next message: stored already, shown by the name it had."""
+
+    image: StoredImage
+    name: str
+
+
+class AttachmentBar(Horizontal):
+    """The images waiting to be sent with the next message, and whether the model can see them."""
+
+    attachments: reactive[tuple[Attachment, ...]] = reactive((), recompose=True)
+    model_sees_images: reactive[bool] = reactive(False, recompose=True)
+
+    def compose(self) -> ComposeResult:
+        for attachment in self.attachments:
+            image = attachment.image
+            yield Static(f"▣ {attachment.name} {image.width}×{image.height}", classes="attachment", markup=False)
+        if self.attachments and not self.model_sees_images:
+            yield Static(
+                "no vision projector: the model cannot see images; they are kept in history, not sent",
+                classes="attachment-warning",
+            )
+
+    def watch_attachments(self, attachments: tuple[Attachment, ...]) -> None:
+        self.display = bool(attachments)

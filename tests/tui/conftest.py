@@ -1,0 +1,53 @@
+"""App tests run on a private folder (history, images, state), fake GPUs and, where speed and exact
+output matter, a scripted model; `real_app` runs the tiny random model through the real engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cmpchat.history.images import ImageStore
+from cmpchat.history.store import HistoryStore
+from cmpchat.tui.app import CmpchatApp
+from cmpchat.tui.gpu_sampler import FakeGpuSampler
+from cmpchat.tui.model_request import ModelRequest
+from cmpchat.tui.settings import AppState, Settings
+from tests.tui.fakes import ScriptedModel
+
+AppFactory = Callable[..., CmpchatApp]
+
+
+@pytest.fixture
+def make_app(tmp_path: Path) -> AppFactory:
+    """Builds apps sharing one history folder, so a second app sees what the first one stored."""
+
+    def make(
+        model: ScriptedModel | None = None,
+        *,
+        model_path: Path | None = None,
+        settings: Settings | None = None,
+        state: AppState | None = None,
+        fresh_state: bool = True,
+        gpus: int = 2,
+        discover=None,
+    ) -> CmpchatApp:
+        scripted = model
+        opener = None
+        if scripted is not None:
+            opener = lambda path, *, backend, progress: scripted  # noqa: E731
+        request = ModelRequest(model_path or (scripted.path if scripted else None))
+        return CmpchatApp(
+            model_request=request,
+            settings=settings or Settings(),
+            state=state or (AppState() if fresh_state else None),
+            state_file=tmp_path / "state.json",
+            history=HistoryStore(tmp_path / "history.sqlite3"),
+            images=ImageStore(tmp_path / "images"),
+            gpu_sampler=FakeGpuSampler(gpus),
+            discover=discover or (lambda: []),
+            opener=opener,
+        )
+
+    return make

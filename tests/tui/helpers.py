@@ -1,0 +1,55 @@
+"""Small helpers for Pilot-driven tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from textual.pilot import Pilot
+
+from cmpchat.tui.screens.chat_screen import ChatScreen
+from cmpchat.tui.widgets.prompt import PromptArea
+
+
+async def wait_for(pilot: Pilot, condition: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
+    """Let the app run until `condition()` is true; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await pilot.pause(0.02)
+
+
+def chat_screen(pilot: Pilot) -> ChatScreen:
+    for screen in pilot.app.screen_stack:
+        if isinstance(screen, ChatScreen):
+            return screen
+    raise AssertionError("no chat screen")
+
+
+async def ready(pilot: Pilot) -> ChatScreen:
+    """Wait until the model is loaded; return the chat screen."""
+    await wait_for(pilot, lambda: pilot.app.model is not None, what="the model to load")  # type: ignore[attr-defined]
+    await pilot.pause()
+    return chat_screen(pilot)
+
+
+async def send(pilot: Pilot, text: str, *, wait: bool = True) -> None:
+    """Type `text` into the prompt, press Enter, and (by default) wait until the reply has finished."""
+    screen = chat_screen(pilot)
+    screen.query_one(PromptArea).focus()
+    screen.query_one(PromptArea).insert(text)
+    await pilot.press("enter")
+    if wait:
+        await wait_for(pilot, lambda: screen.active_reply is None and not screen.generating, what="the reply")
+        await pilot.pause()
+
+
+def plain(widget: object) -> str:
+    """What a widget shows, as plain text (markup and styles removed)."""
+    from textual.content import Content
+
+    rendered = widget.render()  # type: ignore[attr-defined]
+    if isinstance(rendered, str):
+        return Content.from_markup(rendered).plain
+    return str(getattr(rendered, "plain", rendered))

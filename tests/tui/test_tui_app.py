@@ -1,0 +1,241 @@
+"""The app around the chat: themes, keys and help, model choice and loading, narrow-screen overlays,
+and the real engine on the tiny model."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cmpchat.engine import open_model
+from cmpchat.model.discovery import FoundModel
+from cmpchat.tui.app import CmpchatApp
+from cmpchat.tui.model_request import ModelRequest
+from cmpchat.tui.screens.dialogs import TextInputDialog
+from cmpchat.tui.screens.help import HelpScreen
+from cmpchat.tui.screens.model_picker import ModelPickerScreen
+from cmpchat.tui.screens.overlays import ChatListScreen, GpuScreen
+from cmpchat.tui.settings import AppState, Settings
+from cmpchat.tui.widgets.gpu_panel import GpuPanel
+from cmpchat.tui.widgets.load_progress import LoadProgress
+from cmpchat.tui.widgets.messages import ReplyView
+from cmpchat.tui.widgets.status_bar import StatusBar
+from cmpchat.tui.widgets.title_bar import DemoBanner, TitleBar
+from tests.tui.fakes import ScriptedModel
+from tests.tui.helpers import chat_screen, plain, ready, send, wait_for
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_theme_from_the_command_palette_is_remembered(make_app):
+    app = make_app(ScriptedModel(), fresh_state=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        assert app.theme == "cmpchat-dark"
+        assert {"cmpchat-dark", "cmpchat-light", "terminal"} <= set(app.available_themes)
+        await pilot.press("ctrl+p")
+        await pilot.press(*"theme")
+        await pilot.pause(0.3)
+        await pilot.press("enter")  # "Theme: change the current theme"
+        await pilot.pause(0.3)
+        await pilot.press(*"cmpchat-light")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.theme == "cmpchat-light", what="the theme to change")
+    again = make_app(ScriptedModel(), fresh_state=False)
+    async with again.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        assert again.theme == "cmpchat-light"
+
+
+@pytest.mark.parametrize("theme", ["cmpchat-dark", "cmpchat-light", "terminal"])
+async def test_every_shipped_theme_renders(make_app, theme):
+    app = make_app(ScriptedModel(), settings=Settings(theme=theme))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        assert app.theme == theme
+        assert app.current_theme.ansi is (theme == "terminal")
+
+
+async def test_help_lists_bindings_with_their_ids_and_the_keymap_remaps_them(make_app, tmp_path):
+    settings = Settings(keymap={"chat.export": "f9"})
+    app = make_app(ScriptedModel(), settings=settings)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
+        rows = app.screen.rows
+        ids = {row[2] for row in rows}
+        assert {"chat.stop", "chat.regenerate", "chat.edit_last", "chat.thinking", "chat.attach_image"} <= ids
+        assert {"prompt.send", "prompt.newline", "app.quit", "chats.rename"} <= ids
+        assert ("F9", "Export this chat to Markdown", "chat.export") in rows
+        await pilot.press("escape")
+        await send(pilot, "hello")
+        await pilot.press("f9")
+        await wait_for(pilot, lambda: isinstance(app.screen, TextInputDialog), what="export via the remapped key")
+
+
+async def test_model_picker_lists_found_models_and_loads_the_choice(make_app, tmp_path):
+    found = [
+        FoundModel(tmp_path / "Qwen3.5-9B-Q8_0.gguf", 9 * 2**30, "Hugging Face cache", "Qwen3.5 9B", "qwen35"),
+        FoundModel(tmp_path / "llama.gguf", 2**30, "~/models", "Llama", "llama"),
+    ]
+    opened: list[Path | None] = []
+    model = ScriptedModel()
+
+    def opener(path, *, backend, progress):
+        opened.append(path)
+        return model
+
+    app = CmpchatApp(
+        settings=Settings(),
+        state=AppState(),
+        state_file=tmp_path / "state.json",
+        history=None,
+        discover=lambda: found,
+        opener=opener,
+        gpu_sampler=None,
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPickerScreen), what="the picker")
+        picker = app.screen
+        await wait_for(pilot, lambda: picker.query_one("#model-list").option_count == 3)
+        options = picker.query_one("#model-list")
+        assert options.get_option_at_index(1).disabled  # llama: not a model cmpchat runs
+        assert "demo model" in str(options.get_option_at_index(2).prompt)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.model is model)
+    assert opened == [found[0].path]
+    assert app.app_state.last_model == str(found[0].path)
+
+
+async def test_nothing_found_opens_the_demo_model_with_its_banner(make_app, tmp_path):
+    demo = ScriptedModel(is_demo=True)
+    app = CmpchatApp(
+        state=AppState(),
+        state_file=tmp_path / "state.json",
+        history=None,
+        discover=lambda: [],
+        opener=lambda path, *, backend, progress: demo,
+    )
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await ready(pilot)
+        assert screen.query_one(DemoBanner).display
+        assert screen.query_one(TitleBar).model_name == "demo model"
+    assert app.app_state.last_model == ""
+
+
+async def test_the_last_model_is_opened_again(make_app, tmp_path):
+    model_file = tmp_path / "last.gguf"
+    model_file.write_bytes(b"GGUF")
+    opened = []
+    app = CmpchatApp(
+        state=AppState(last_model=str(model_file)),
+        state_file=tmp_path / "state.json",
+        history=None,
+        discover=lambda: pytest.fail("no discovery when a model is remembered"),
+        opener=lambda path, *, backend, progress: opened.append(path) or ScriptedModel(),
+    )
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+    assert opened == [model_file]
+
+
+async def test_loading_shows_progress_and_a_failure_reopens_the_picker(make_app, tmp_path):
+    release = threading.Event()
+
+    def slow_opener(path, *, backend, progress):
+        progress("writing the demo model", 3, 10)
+        release.wait(5)
+        raise OSError("disk on fire")
+
+    app = CmpchatApp(
+        model_request=ModelRequest(None),
+        state=AppState(),
+        state_file=tmp_path / "state.json",
+        history=None,
+        discover=lambda: [],
+        opener=slow_opener,
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = chat_screen(pilot)
+        progress = screen.query_one(LoadProgress)
+        await wait_for(pilot, lambda: "writing the demo model" in str(progress.query_one("#load-title").render()))
+        assert progress.display and screen.speed.phase == "loading"
+        assert screen.speed.load_fraction == pytest.approx(0.3)
+        release.set()
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPickerScreen), what="the picker after the failure")
+        assert any("disk on fire" in n.message for n in app._notifications)
+
+
+async def test_narrow_screen_has_a_status_bar_and_overlays(make_app):
+    app = make_app(ScriptedModel(), gpus=8)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await ready(pilot)
+        await send(pilot, "hi")
+        assert not screen.query_one("#sidebar").display or not screen.query_one("#sidebar").region
+        assert screen.query_one(StatusBar).region.height == 1
+        await wait_for(pilot, lambda: len(app.gpu_readings) == 8)
+        bar = plain(screen.query_one(StatusBar))
+        assert "27.4 tok/s" in bar and "GPU " in bar and "ctx 18K/256K" in bar
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, GpuScreen))
+        panel = app.screen.query_one(GpuPanel)
+        await pilot.pause()
+        header, *lines = plain(panel).splitlines()
+        assert "PCIe" in header and len(lines) == 8 and all("MB/s" in line for line in lines)  # one line per GPU
+        await pilot.press("escape")
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: isinstance(app.screen, ChatListScreen))
+        await pilot.press("escape")
+
+
+async def test_real_engine_on_the_tiny_model(make_app, tiny_model_path):
+    app = make_app(
+        model_path=tiny_model_path, settings=Settings(max_tokens=12, temperature=0), state=AppState(thinking=False)
+    )
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        assert screen.query_one(TitleBar).model_name == "tiny.gguf"
+        await send(pilot, "Hello")
+        reply = screen.query_one(ReplyView)
+        stored = app.history.messages(screen.session.chat.id)[-1]
+        assert stored.status == "complete" and stored.stats["generated_tokens"] >= 1
+        assert stored.stats["decode_tokens_per_second"] > 0
+        assert "tok/s" in str(reply.stats_line.render())
+        assert screen.speed.context_used > 0
+
+
+class Slowed:
+    """A real model whose reply events are spaced out, so a reply is surely still running when Esc comes."""
+
+    def __init__(self, model) -> None:
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def chat(self, *args, **kwargs):
+        for event in self._model.chat(*args, **kwargs):
+            time.sleep(0.02)  # the tiny model ends its greedy reply after ~520 tokens: keep it running >10 s
+            yield event
+
+
+async def test_real_engine_stops_on_escape(make_app, tiny_model_path):
+    real = open_model(tiny_model_path)
+    app = make_app(
+        model_path=tiny_model_path, settings=Settings(max_tokens=4000, temperature=0), state=AppState(thinking=False)
+    )
+    app.opener = lambda path, *, backend, progress: Slowed(real)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await send(pilot, "Hello", wait=False)
+        await wait_for(pilot, lambda: screen.speed.generated > 0, what="tokens")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not screen.generating, timeout=3, what="the stop")
+        stored = app.history.messages(screen.session.chat.id)[-1]
+        assert stored.status == "stopped", stored.stats
+        assert 0 < stored.stats["generated_tokens"] < 4000
