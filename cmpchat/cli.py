@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from cmpchat import __version__
-from cmpchat.commands import chat_app, info, run, serve, tokenize
+from cmpchat.commands import bench, chat_app, info, run, serve, tokenize
 from cmpchat.errors import CmpchatError
 
-COMMANDS = (chat_app, run, serve, info, tokenize)
+COMMANDS = (chat_app, run, serve, info, tokenize, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,9 @@
 
 Phases, each timed: the environment (versions, GPU), the GPU self-test (tests/cuda/test_gpu_selftest.py:
 intrinsics, raw launch, graph replay; if it fails nothing else runs), then every test module that has GPU
-tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in full mode each
-`cuda/bench_*.py` benchmark, which reports by printing lines `BENCH {json}`.
+tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in full and bench modes the
+benchmarks (`cmpchat bench decode` on the 9B and 27B shapes, with llama.cpp when `.llama.cpp/` holds a
+build from cuda/build_llama_cpp.sh, and the GEMV micro-benchmark), whose JSON lands beside the summary.
 
 Results go to the results folder: log.txt (written by gpu_run.sh), selftest.xml and tests.xml (JUnit,
 with the properties tests record, e.g. launch overheads), summary.json and summary.txt, so a later session
@@ -28,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 SELFTEST = "tests/cuda/test_gpu_selftest.py"
 PACKAGES = ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "gguf", "pytest", "torch")
 MARKERS = {"quick": "gpu and not slow", "full": "gpu"}
+BENCH_FOLDER = "/tmp/cmpchat-bench"  # benchmark model files (tens of GB): built once per machine
+LLAMA_BENCH = REPO / ".llama.cpp" / "run-llama-bench.sh"
 GPU_MARK = re.compile(r"(pytest\.)?mark\.gpu\b")
 
 
@@ -69,14 +72,16 @@ def run_pytest(files: list[str], marker: str, junit: Path, timeout: int, extra: 
     return _timed(command, timeout=max(deadline - time.monotonic(), 1))
 
 
-def run_benchmarks(deadline: float) -> dict:
-    results = {}
-    for script in sorted((REPO / "cuda").glob("bench_*.py")):
-        phase = _timed([sys.executable, str(script)], timeout=max(deadline - time.monotonic(), 1), capture=True)
-        lines = [line[len("BENCH ") :] for line in phase.pop("stdout", "").splitlines() if line.startswith("BENCH ")]
-        phase["results"] = [json.loads(line) for line in lines]
-        results[script.stem] = phase
-    return results
+def run_benchmarks(results: Path, deadline: float, shapes: list[str]) -> dict:
+    decode = [sys.executable, "-m", "cmpchat", "bench", "decode", *shapes, "--folder", BENCH_FOLDER,
+              "--json", str(results / "bench_decode.json")]  # fmt: skip
+    if LLAMA_BENCH.exists():
+        decode += ["--llama-bench", str(LLAMA_BENCH)]
+    commands = {
+        "decode": decode,
+        "gemv": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *shapes, "--tokens", "1", "4", "16"],
+    }
+    return {name: _timed(command, timeout=max(deadline - time.monotonic(), 1)) for name, command in commands.items()}
 
 
 def junit_summary(path: Path) -> dict:
@@ -121,14 +126,15 @@ def format_summary(summary: dict) -> str:
             if "properties" in case:
                 lines.append(f"  {case['name']}: {case['properties']}")
     for name, bench in summary.get("benchmarks", {}).items():
-        lines.append(f"benchmark {name}: exit {bench['returncode']} in {bench['seconds']:.1f} s  {bench['results']}")
+        lines.append(f"benchmark {name}: exit {bench['returncode']} in {bench['seconds']:.1f} s")
     lines.append("RESULT: " + ("PASS" if summary["passed"] else "FAIL"))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the GPU tests (use cuda/gpu_run.sh).")
-    parser.add_argument("--mode", choices=sorted(MARKERS), default="quick")
+    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench"], default="quick")
+    parser.add_argument("--shapes", nargs="+", default=["9B", "27B"], help="model shapes the benchmarks run")
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument(
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["phases"]["selftest"] = phase
     _write(summary, args.results)
     passed = phase["returncode"] == 0
-    if passed:
+    if passed and args.mode != "bench":
         tests_xml = args.results / "tests.xml"
         files = gpu_test_files()
         print(f"\nGPU test modules: {' '.join(files)}", flush=True)
@@ -160,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         summary["phases"]["gpu_tests"] = phase
         _write(summary, args.results)
         passed = phase["returncode"] in (0, 5)  # 5: no GPU tests selected (none written yet)
-        if args.mode == "full":
-            summary["benchmarks"] = run_benchmarks(deadline)
-            passed = passed and all(b["returncode"] == 0 for b in summary["benchmarks"].values())
-    else:
+    if passed and args.mode in ("full", "bench"):
+        summary["benchmarks"] = run_benchmarks(args.results, deadline, args.shapes)
+        passed = all(b["returncode"] == 0 for b in summary["benchmarks"].values())
+    if phase["returncode"] != 0 and "gpu_tests" not in summary["phases"]:
         print("\nself-test failed: the other GPU tests were not run", flush=True)
     summary["passed"] = passed
     _write(summary, args.results)
@@ -173,21 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if passed else 1
 
 
-def _timed(command: list[str], timeout: int | None = None, capture: bool = False) -> dict:
-    """Run a command, its output going to ours (and so to the log); with `capture` its stdout is kept too."""
+def _timed(command: list[str], timeout: int | None = None) -> dict:
+    """Run a command, its output going to ours (and so to the log)."""
     print(f"\n$ {' '.join(command)}", flush=True)
     start = time.perf_counter()
     try:
-        finished = subprocess.run(
-            command, timeout=timeout, text=True, stdout=subprocess.PIPE if capture else None, check=False
-        )
+        finished = subprocess.run(command, timeout=timeout, text=True, check=False)
     except subprocess.TimeoutExpired:
-        return {"returncode": "timeout", "seconds": round(time.perf_counter() - start, 2), "stdout": ""}
-    phase = {"returncode": finished.returncode, "seconds": round(time.perf_counter() - start, 2)}
-    if capture:
-        print(finished.stdout, flush=True)
-        phase["stdout"] = finished.stdout
-    return phase
+        return {"returncode": "timeout", "seconds": round(time.perf_counter() - start, 2)}
+    return {"returncode": finished.returncode, "seconds": round(time.perf_counter() - start, 2)}
 
 
 def _write(summary: dict, results: Path) -> None:

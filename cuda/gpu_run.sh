@@ -4,7 +4,8 @@
 #   bash cuda/gpu_run.sh [quick|full] [--budget SECONDS] [--timeout SECONDS] [-- PYTEST ARGS...]
 #
 #   quick (default): the self-test, then `pytest -m "gpu and not slow"` over every test module with GPU tests
-#   full:            the self-test, `pytest -m gpu`, then each cuda/bench_*.py benchmark
+#   full:            the self-test, `pytest -m gpu`, then the benchmarks (cmpchat bench decode, GEMV)
+#   bench:           the self-test, then the benchmarks only (add --shapes 9B 27B ... to choose)
 #
 # Expects the repository as working directory's parent of cuda/ and, where packages are missing (the
 # device tool's H200 machine), their wheels in .whl/ (cuda/fetch_wheels.sh fetches them; name ".whl" in the

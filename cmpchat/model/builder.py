@@ -123,10 +123,13 @@ def build_model(
     seed: int = 0,
     description: str = "random weights",
     progress: Callable[[int, int], None] | None = None,
+    pooled: bool = False,
 ) -> None:
     """Write a random-weight Q8_0 model of `shape` to `path` (atomically: a temporary file, then rename).
 
     `add_tokenizer` writes the tokenizer fields; `progress(done_bytes, total_bytes)` reports the write.
+    `pooled` copies every matrix from one pool of random blocks at random offsets instead of drawing each
+    value (benchmark files: a 27B-shaped file is written at disk speed; the kernels' work is the same).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
@@ -144,7 +147,7 @@ def build_model(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     done = 0
-    for data in _random_tensors(specs, shape, seed):
+    for data in _random_tensors(specs, shape, seed, pooled):
         writer.write_tensor_data(data)
         done += data.nbytes
         if progress is not None:
@@ -192,10 +195,17 @@ def _stored_shape(spec: TensorSpec) -> tuple[int, ...]:
     return spec.shape
 
 
-def _random_tensors(specs: list[TensorSpec], shape: ModelShape, seed: int) -> Iterator[np.ndarray]:
+POOL_BLOCKS = 1 << 21
+"""Q8_0 blocks in the pool `pooled` files copy from (68 MB)."""
+
+
+def _random_tensors(specs: list[TensorSpec], shape: ModelShape, seed: int, pooled: bool) -> Iterator[np.ndarray]:
     rng = np.random.default_rng(seed)
+    pool = _random_q8_0(rng, POOL_BLOCKS // 128, 128 * Q8_0_BLOCK).reshape(-1, Q8_0_BLOCK_BYTES) if pooled else None
     for spec in specs:
-        if spec.role == "matrix":
+        if spec.role == "matrix" and pool is not None:
+            yield _pooled_q8_0(rng, pool, *spec.shape)
+        elif spec.role == "matrix":
             yield _random_q8_0(rng, *spec.shape)
         elif spec.role == "norm":
             yield (1.0 + 0.1 * rng.standard_normal(spec.shape)).astype(np.float32)
@@ -217,3 +227,15 @@ def _random_q8_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     out[:, :, :2] = scales[..., None].view(np.uint8).reshape(rows, blocks, 2)
     out[:, :, 2:] = rng.integers(-127, 128, (rows, blocks, Q8_0_BLOCK), dtype=np.int8).view(np.uint8)
     return out.reshape(rows, blocks * Q8_0_BLOCK_BYTES)
+
+
+def _pooled_q8_0(rng: np.random.Generator, pool: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Q8_0 bytes copied from `pool` (blocks) in runs of up to half the pool, each at a random offset."""
+    blocks = rows * (cols // Q8_0_BLOCK)
+    out = np.empty((blocks, Q8_0_BLOCK_BYTES), dtype=np.uint8)
+    run = len(pool) // 2
+    for start in range(0, blocks, run):
+        count = min(run, blocks - start)
+        offset = int(rng.integers(0, len(pool) - count + 1))
+        out[start : start + count] = pool[offset : offset + count]
+    return out.reshape(rows, -1)

@@ -19,7 +19,14 @@ from cmpchat.backends.base import Backend
 from cmpchat.backends.cuda.device import gpu_info, usable_bytes
 from cmpchat.backends.cuda.memory_plan import MemoryPlan, plan_memory, weight_bytes
 from cmpchat.backends.cuda.sampler import GpuSampler
-from cmpchat.backends.cuda.step import MAX_ROWS, AttentionSplits, SequenceStates, StepBuffers, decode_launches
+from cmpchat.backends.cuda.step import (
+    MAX_ROWS,
+    AttentionSplits,
+    SequenceStates,
+    StepBuffers,
+    decode_launches,
+    fill_zero,
+)
 from cmpchat.backends.cuda.weights import upload_weights
 from cmpchat.cuda.graph import LaunchGraph
 from cmpchat.cuda.kernels.attention import DecodeAttentionConfig
@@ -231,3 +238,20 @@ class CudaBackend(Backend):
         else:
             for launch in launches:
                 launch.run(self.stream)
+
+    # -- benchmarks ---------------------------------------------------------------------------------------
+
+    def step_launches(self, rows: int) -> list[Any]:
+        """The launches of a decode step of `rows` sequences, as last run (run a step of that size first)."""
+        return self._steps[token_bucket(rows)][0]
+
+    def skip_ahead(self, sequence: CudaSequence, length: int) -> None:
+        """Benchmarks only: make `sequence` `length` tokens long without running those tokens. Its cached
+        keys and values are zeros, so the next steps read (and cost) what a real context that long does."""
+        if not 0 <= length < self.states.page_tokens:
+            raise ValueError(f"length must be below the {self.states.page_tokens}-token context")
+        for caches in (self.states.k_cache, self.states.v_cache):
+            for array in caches.values():
+                if length:
+                    fill_zero(array[sequence.slot, :length])
+        sequence.length = sequence.next_position = length

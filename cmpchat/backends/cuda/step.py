@@ -67,7 +67,7 @@ class SequenceStates:
         """Zero a slot's recurrent state (a KV cache needs no clearing: lengths say what is valid)."""
         for states in (self.conv_state, self.delta_state):
             for array in states.values():
-                _fill_zero(array[slot])
+                fill_zero(array[slot])
 
     def copy_slot(self, source: int, target: int, length: int) -> None:
         """Make `target` a copy of `source` whose first `length` cached tokens are valid (device to device)."""
@@ -258,11 +258,11 @@ def _columns(buffer: Any, rows: int, width: int) -> Any:
 
 def _zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
     array = cuda.device_array(shape, dtype)
-    _fill_zero(array)
+    fill_zero(array)
     return array
 
 
-def _fill_zero(array: Any) -> None:
+def fill_zero(array: Any) -> None:
     """Zero a contiguous device array on the device (no host-side buffer: states can be 100s of MB)."""
     if SIMULATOR:
         array[...] = 0

@@ -4,9 +4,9 @@
 launch and the bytes it must read divided by that time, next to the streaming-read bandwidth measured in
 the same run (`read_bandwidth`), so the ratio carries over from the H200 to the CMP.
 
-Timing: CUDA events around `repeats` back-to-back launches on one stream, after `warmup` launches. A
-sleeping kernel goes first so the GPU is still busy while Python queues the launches: Numba's own launch
-path costs tens of µs per launch, longer than a small GEMV runs, and would otherwise be what is measured.
+Timing: the launches are captured as a CUDA graph and CUDA events time back-to-back replays, so neither
+Numba's launch path (tens of µs per launch, longer than a small GEMV runs) nor L2 hits (each weight is
+cycled through copies worth 1 GiB) are what is measured.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda, uint32
 
 from cmpchat.cuda.compile import kernel
+from cmpchat.cuda.graph import LaunchGraph
 from cmpchat.cuda.intrinsics import load_u32x4
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD
@@ -46,12 +47,6 @@ QWEN_GEMV_SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
         ("lm head", 248320, 5120, "store"),
     ],
 }
-
-
-@kernel("void(int32)")
-def sleep_kernel(microseconds):
-    for _ in range(microseconds):
-        cuda.nanosleep(1000)
 
 
 @kernel("void(uint32[::1], uint32[::1])")
@@ -85,23 +80,22 @@ class GemvTiming:
 
 
 def time_launches(launches: Launch | Sequence[Launch], repeats: int = 100, warmup: int = 10) -> float:
-    """Seconds per run of `launches` (one or a list run in order), from CUDA events around `repeats` queued
-    runs (see module docstring)."""
+    """Seconds per run of `launches` (one or a list run in order): the list is captured as a CUDA graph,
+    and CUDA events time `repeats` replays queued back to back after `warmup` replays."""
     sequence = [launches] if isinstance(launches, Launch) else list(launches)
     stream = cuda.stream()
+    for launch in sequence:  # compile and load before capture
+        launch.run(stream)
+    graph = LaunchGraph.capture(sequence, stream)
     for _ in range(warmup):
-        for launch in sequence:
-            launch.run(stream)
-    stream.synchronize()
+        graph.replay(stream)
     start, stop = cuda.event(), cuda.event()
-    # Sleep longer than queueing takes (~30 µs per Numba launch), within the driver's queue of ~1000 launches.
-    sleep_kernel[1, 1, stream](np.int32(min(200_000, 100 * repeats * len(sequence))))
     start.record(stream)
     for _ in range(repeats):
-        for launch in sequence:
-            launch.run(stream)
+        graph.replay(stream)
     stop.record(stream)
     stop.synchronize()
+    graph.close()
     return cuda.event_elapsed_time(start, stop) / 1e3 / repeats
 
 
@@ -112,18 +106,26 @@ def gemv_bytes_read(rows: int, cols: int, tokens: int, mode: str) -> int:
 
 
 def benchmark_gemv(
-    rows: int, cols: int, tokens: int = 1, *, mode: str = "store", name: str = "", repeats: int = 100,
-    warmup: int = 10, seed: int = 0,
+    rows: int, cols: int, tokens: int = 1, *, mode: str = "store", name: str = "", repeats: int = 30,
+    warmup: int = 3, seed: int = 0, cycle_bytes: int = 1 << 30,
 ) -> GemvTiming:  # fmt: skip
-    """Time the Q8_0 GEMV on random data of this shape (needs a GPU)."""
+    """Time the Q8_0 GEMV on random data of this shape (needs a GPU).
+
+    The launches cycle through copies of the weight totalling `cycle_bytes`, so each launch streams its
+    weight from DRAM as in a decode step instead of finding it in L2 (the H200's holds 50 MB).
+    """
     rng = np.random.default_rng(seed)
-    quants = cuda.to_device(rng.integers(-127, 128, (rows, cols), dtype=np.int8).view(np.uint32))
-    scales = cuda.to_device((rng.random((rows, cols // QUANT_BLOCK)) * 0.01).astype(np.float16))
+    copies = max(1, -(-cycle_bytes // weight_bytes(rows, cols)))
+    quants = rng.integers(-127, 128, (rows, cols), dtype=np.int8).view(np.uint32)
+    scales = (rng.random((rows, cols // QUANT_BLOCK)) * 0.01).astype(np.float16)
     x_quants = cuda.to_device(rng.integers(-127, 128, (tokens, cols), dtype=np.int8).view(np.uint32))
     x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
     out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
-    launch = gemv_q8_launch(quants, scales, x_quants, x_scales, out, mode=mode)
-    seconds = time_launches(launch, repeats, warmup)
+    launches = []
+    for _ in range(copies):
+        weights = cuda.to_device(quants), cuda.to_device(scales)
+        launches.append(gemv_q8_launch(*weights, x_quants, x_scales, out, mode=mode))
+    seconds = time_launches(launches, repeats, warmup) / copies
     return GemvTiming(name, rows, cols, tokens, mode, seconds, gemv_bytes_read(rows, cols, tokens, mode))
 
 
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(QWEN_GEMV_SHAPES), choices=list(QWEN_GEMV_SHAPES))
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 16])
-    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     limit = read_bandwidth()
     print(f"streaming read: {limit:.0f} GB/s")

@@ -1,0 +1,1 @@
+"""Benchmarks: model files of the released shapes, decode speed against the read limit, llama.cpp."""

@@ -1,0 +1,149 @@
+"""Decode speed of the CUDA backend: tok/s at several contexts and batch sizes, against the read limit.
+
+For one model file on GPU 0: greedy decode with CUDA-graph replay and selection on the GPU (only the chosen
+ids cross PCIe, as in the app), timed over `tokens` steps after a warm-up; at each context a profile of one
+step by kernel family. Longer contexts are reached with `CudaBackend.skip_ahead` (zeroed cache entries:
+attention reads them exactly as it reads real ones), since prompts still run token by token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cmpchat.bench.kernel_families import FamilyTime, family_times
+from cmpchat.bench.limits import StepBytes, cmp_projection, limit_tokens_per_second, step_bytes
+from cmpchat.generation.sampling import SamplingParams
+
+WARMUP_STEPS = 8
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    context: int
+    batch: int
+    tokens_per_second: float
+    """Aggregate over the batch."""
+    bytes: StepBytes
+    limit: float
+    """Tokens/s at the streaming-read bandwidth."""
+    step_seconds: float
+    """Wall time of one step including selection and the host round trip."""
+    replay_seconds: float | None = None
+    """GPU time of one plain graph replay (profiled runs only)."""
+    families: list[FamilyTime] = field(default_factory=list)
+    kernels: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Per kernel name: launches and total seconds in one step (profiled runs only)."""
+
+    @property
+    def ratio(self) -> float:
+        return self.tokens_per_second / self.limit
+
+    @property
+    def cmp_projection(self) -> float:
+        return cmp_projection(self.ratio, self.bytes.total, self.batch)
+
+
+def run_decode(
+    backend: object,
+    weights: int,
+    read_bandwidth: float,
+    contexts: Sequence[int],
+    batches: Sequence[int],
+    tokens: int,
+    say: Callable[[str], None] = print,
+) -> list[DecodeRun]:
+    """Batch-1 runs at each context (profiled), then batched runs at the first context."""
+    from cmpchat.cuda.profile import profile_launches
+
+    config = backend.config
+    runs = []
+    for context in contexts:
+        say(f"  decoding {tokens} tokens at context {context}")
+        sequences = _sequences_at(backend, 1, context)
+        seconds = _time_steps(backend, sequences, tokens)
+        launches = backend.step_launches(1)
+        profile = profile_launches(launches, backend.stream)
+        bytes_ = step_bytes(weights, config, context)
+        family_bytes = {
+            "GEMV": weights,
+            "attention": bytes_.kv_cache,
+            "GDN": bytes_.recurrent_state,
+        }
+        runs.append(
+            DecodeRun(
+                context=context,
+                batch=1,
+                tokens_per_second=tokens / seconds,
+                bytes=bytes_,
+                limit=limit_tokens_per_second(read_bandwidth, bytes_.total),
+                step_seconds=seconds / tokens,
+                replay_seconds=profile.replay,
+                families=family_times(profile.names, profile.per_launch, family_bytes),
+                kernels=_by_kernel(profile.names, profile.per_launch),
+            )
+        )
+        _release(backend, sequences)
+    for batch in batches:
+        context = contexts[0]
+        say(f"  decoding {tokens} steps of {batch} sequences at context {context}")
+        sequences = _sequences_at(backend, batch, context)
+        seconds = _time_steps(backend, sequences, tokens)
+        bytes_ = step_bytes(weights, config, context, batch)
+        runs.append(
+            DecodeRun(
+                context=context,
+                batch=batch,
+                tokens_per_second=batch * tokens / seconds,
+                bytes=bytes_,
+                limit=limit_tokens_per_second(read_bandwidth, bytes_.total, batch),
+                step_seconds=seconds / tokens,
+            )
+        )
+        _release(backend, sequences)
+    return runs
+
+
+def _sequences_at(backend: object, count: int, context: int) -> list:
+    sequences = [backend.new_sequence() for _ in range(count)]
+    for sequence in sequences:
+        backend.skip_ahead(sequence, context)
+    return sequences
+
+
+def _release(backend: object, sequences: list) -> None:
+    for sequence in sequences:
+        backend.release(sequence)
+
+
+def _time_steps(backend: object, sequences: list, tokens: int) -> float:
+    """Seconds for `tokens` greedy steps of all `sequences` (after a warm-up that compiles and captures)."""
+    count = len(sequences)
+    greedy = [SamplingParams()] * count
+    rngs = [np.random.default_rng(i) for i in range(count)]
+    histories: list[list[int]] = [[1] for _ in range(count)]
+    logits = backend.decode(sequences, [1] * count)
+
+    def step(logits: object) -> object:
+        chosen = backend.sample(logits, greedy, histories, rngs)  # on the GPU; B ids come back
+        return backend.decode(sequences, chosen)
+
+    for _ in range(WARMUP_STEPS):
+        logits = step(logits)
+    backend.stream.synchronize()
+    started = time.perf_counter()
+    for _ in range(tokens):
+        logits = step(logits)
+    backend.stream.synchronize()
+    return time.perf_counter() - started
+
+
+def _by_kernel(names: Sequence[str], seconds: Sequence[float]) -> dict[str, tuple[int, float]]:
+    totals: dict[str, tuple[int, float]] = {}
+    for name, value in zip(names, seconds, strict=True):
+        count, total = totals.get(name, (0, 0.0))
+        totals[name] = (count + 1, total + value)
+    return totals

@@ -1,0 +1,115 @@
+"""Text and JSON forms of a decode benchmark."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cmpchat.bench.decode import DecodeRun
+from cmpchat.bench.limits import CMP_READ_BANDWIDTH, PUBLISHED_CMP_9B_DECODE
+from cmpchat.bench.llama_cpp import LlamaResult
+
+
+@dataclass(frozen=True)
+class DecodeReport:
+    model: str
+    gpu: str
+    read_bandwidth: float
+    runs: list[DecodeRun]
+    llama: list[LlamaResult]
+    shape: str | None = None
+    """The released size the file has the shapes of, when it is a benchmark file."""
+
+    def llama_at(self, context: int) -> LlamaResult | None:
+        for result in self.llama:
+            if result.generated_tokens and result.depth == context:
+                return result
+        return None
+
+
+def format_decode(report: DecodeReport) -> list[str]:
+    lines = [
+        f"{report.model} on {report.gpu}: streaming read {report.read_bandwidth / 1e9:.0f} GB/s (measured now)",
+        f"{'context':>8} {'batch':>5} {'tok/s':>8} {'limit':>8} {'of limit':>8} {'llama.cpp':>9} {'ours/llama':>10}"
+        f" {'CMP projection':>15}",
+    ]
+    for run in report.runs:
+        llama = report.llama_at(run.context) if run.batch == 1 else None
+        llama_text = f"{llama.tokens_per_second:9.1f}" if llama else f"{'-':>9}"
+        versus = f"{run.tokens_per_second / llama.tokens_per_second:10.2f}" if llama else f"{'-':>10}"
+        projection = f"{run.cmp_projection:11.1f} tok/s" if run.batch == 1 else f"{'-':>15}"
+        lines.append(
+            f"{run.context:8d} {run.batch:5d} {run.tokens_per_second:8.1f} {run.limit:8.1f} {run.ratio:8.1%} "
+            f"{llama_text} {versus} {projection}"
+        )
+    lines.append(
+        f"limit = bytes read per step (Q8_0 weights with scales + KV cache at that context + recurrent state read "
+        f"and written) / streaming read. CMP projection = ratio x {CMP_READ_BANDWIDTH / 1e9:.0f} GB/s / bytes "
+        "per token: a projection, not a measurement."
+    )
+    if report.shape == "9B":
+        published = ", ".join(f"{name} {value} tok/s" for name, value in PUBLISHED_CMP_9B_DECODE.items())
+        lines.append(f"published 9B Q8_0 decode on one CMP 100-210: {published}")
+    if report.llama:
+        lines.append(
+            f"llama.cpp: llama-bench tg128, FlashAttention on, all layers on the GPU, build {report.llama[0].build}"
+        )
+    for run in report.runs:
+        if run.families:
+            lines += _format_families(run)
+    return lines
+
+
+def _format_families(run: DecodeRun) -> list[str]:
+    total = sum(f.seconds for f in run.families)
+    replay = run.replay_seconds or total
+    lines = [
+        f"one step at context {run.context}: {run.step_seconds * 1e3:.2f} ms end to end, graph replay "
+        f"{replay * 1e3:.2f} ms, kernels (timed one by one) {total * 1e3:.2f} ms"
+    ]
+    for family in run.families:
+        bandwidth = family.bandwidth
+        rate = f"{bandwidth / 1e9:7.0f} GB/s" if bandwidth else " " * 12
+        lines.append(
+            f"  {family.family:14} {family.launches:4d} launches {family.seconds * 1e6:9.0f} µs "
+            f"{family.seconds / total:6.1%} {rate}"
+        )
+    outside = run.step_seconds - replay
+    lines.append(f"  {'outside graph':14} {'':14} {outside * 1e6:9.0f} µs (selection, host round trip)")
+    return lines
+
+
+def decode_json(report: DecodeReport) -> dict:
+    return {
+        "model": report.model,
+        "shape": report.shape,
+        "gpu": report.gpu,
+        "read_bandwidth_GBps": round(report.read_bandwidth / 1e9, 1),
+        "runs": [_run_json(run, report) for run in report.runs],
+        "llama_cpp": [vars(result) for result in report.llama],
+    }
+
+
+def _run_json(run: DecodeRun, report: DecodeReport) -> dict:
+    llama = report.llama_at(run.context) if run.batch == 1 else None
+    return {
+        "context": run.context,
+        "batch": run.batch,
+        "tok_s": round(run.tokens_per_second, 2),
+        "limit_tok_s": round(run.limit, 2),
+        "ratio_of_limit": round(run.ratio, 4),
+        "bytes_per_step": run.bytes.total,
+        "step_ms": round(run.step_seconds * 1e3, 4),
+        "replay_ms": None if run.replay_seconds is None else round(run.replay_seconds * 1e3, 4),
+        "cmp_projection_tok_s": round(run.cmp_projection, 1) if run.batch == 1 else None,
+        "llama_cpp_tok_s": None if llama is None else llama.tokens_per_second,
+        "families": [
+            {
+                "family": f.family,
+                "launches": f.launches,
+                "us": round(f.seconds * 1e6, 1),
+                "GBps": None if f.bandwidth is None else round(f.bandwidth / 1e9, 1),
+            }
+            for f in run.families
+        ],  # fmt: skip
+        "kernels": {name: {"launches": n, "us": round(t * 1e6, 1)} for name, (n, t) in run.kernels.items()},
+    }

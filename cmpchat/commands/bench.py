@@ -1,0 +1,102 @@
+"""`cmpchat bench decode`: decode tok/s on this GPU against the limit its read bandwidth sets, and llama.cpp.
+
+    cmpchat bench decode 9B 27B --llama-bench ./run-llama-bench.sh
+
+A MODEL is a released size (0.8B, 2B, 4B, 9B, 27B: a file with those exact tensor shapes, random Q8_0
+weights and the real tokenizer is built once in the cache folder, and llama.cpp can load it too) or a path
+to a GGUF file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cmpchat.bench.model_files import BENCH_SHAPES, bench_model_path
+from cmpchat.commands.progress import StderrProgress
+from cmpchat.errors import CmpchatError
+from cmpchat.paths import cache_dir
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("bench", help="measure decode speed on the GPU", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    kinds = parser.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    decode = kinds.add_parser("decode", help="decode tok/s by context and batch size, with a kernel profile")
+    decode.add_argument("models", nargs="*", default=["9B"], metavar="MODEL",
+                        help=f"a released size ({', '.join(BENCH_SHAPES)}) or a GGUF file (default: 9B)")  # fmt: skip
+    decode.add_argument("--contexts", type=int, nargs="+", default=[0, 4096, 32768], metavar="N")
+    decode.add_argument("--batches", type=int, nargs="*", default=[4, 16], metavar="B",
+                        help="batched runs (aggregate tok/s) at the first context")  # fmt: skip
+    decode.add_argument("--tokens", type=int, default=128, help="timed steps per run (default 128)")
+    decode.add_argument("--folder", type=Path, help="where benchmark files are built (default: the cache folder)")
+    decode.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench, to compare")
+    decode.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
+    decode.set_defaults(handler=run_decode_bench)
+
+
+def run_decode_bench(args: argparse.Namespace) -> int:
+    from cmpchat.backends.cuda.device import cuda_gpu_present
+
+    if not cuda_gpu_present():
+        raise CmpchatError("cmpchat bench needs an NVIDIA GPU with a working driver; none is usable here")
+    if any(c < 0 for c in args.contexts) or args.tokens < 1 or any(not 1 <= b <= 16 for b in args.batches):
+        raise CmpchatError("contexts must be >= 0, --tokens >= 1 and batches 1..16")
+    folder = args.folder or cache_dir() / "bench"
+    reports = [_bench_one(name, folder, args) for name in args.models]
+    if args.json:
+        from cmpchat.bench.report import decode_json
+
+        args.json.write_text(json.dumps([decode_json(r) for r in reports], indent=1))
+    return 0
+
+
+def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> object:
+    from cmpchat.backends.cuda.model import CudaBackend
+    from cmpchat.bench.decode import WARMUP_STEPS, run_decode
+    from cmpchat.bench.limits import weight_bytes_per_step
+    from cmpchat.bench.llama_cpp import decode_command, run_llama_bench
+    from cmpchat.bench.report import DecodeReport, format_decode
+    from cmpchat.cuda.kernels.gemv_bench import read_bandwidth
+    from cmpchat.model.config import ModelConfig
+    from cmpchat.model.gguf_file import ModelFile
+
+    progress = StderrProgress()
+    try:
+        path = bench_model_path(name, folder, progress)
+        model_file = ModelFile(path)
+        config = ModelConfig.from_model_file(model_file)
+        context = max(args.contexts) + args.tokens + WARMUP_STEPS + 2
+        backend = CudaBackend(model_file, config, sequences=max([1, *args.batches]), context=context, progress=progress)
+    finally:
+        progress.close()
+    say = _say
+    say(f"{path.name}: measuring streaming-read bandwidth")
+    bandwidth = read_bandwidth() * 1e9
+    runs = run_decode(backend, weight_bytes_per_step(model_file, config), bandwidth, args.contexts, args.batches,
+                      args.tokens, say)  # fmt: skip
+    gpu = backend.gpu.name
+    del backend
+    _free_gpu_memory()  # before llama.cpp loads the same weights
+    llama = []
+    if args.llama_bench:
+        say(f"  llama-bench tg{args.tokens} at contexts {args.contexts}")
+        llama = run_llama_bench(decode_command(args.llama_bench, path, args.contexts, args.tokens))
+    report = DecodeReport(path.name, gpu, bandwidth, runs, llama, shape=name if name in BENCH_SHAPES else None)
+    print("\n".join(format_decode(report)), flush=True)
+    return report
+
+
+def _free_gpu_memory() -> None:
+    import gc
+
+    from numba import cuda
+
+    gc.collect()
+    cuda.current_context().deallocations.clear()
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,104 @@
+"""GPU time of each launch in a list, measured inside a CUDA graph replay (GPU only).
+
+The launches are captured into a graph with an event-record node between every two kernels, so a replay
+runs them back to back as the engine's own graph does, and the events time each kernel where it runs.
+An event node costs about a microsecond of its own, so the per-launch figures add up to a little more than
+a plain replay; `profile_launches` returns both (the plain replay's time is the one to report as speed).
+
+    timings = profile_launches(launches, stream, replays=20)
+    timings.per_launch   # seconds, one per launch (median over replays)
+    timings.replay       # seconds of one replay of the same launches without events
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from numba import cuda
+
+from cmpchat.cuda.driver_api import check, stream_handle
+from cmpchat.cuda.graph import LaunchGraph
+from cmpchat.cuda.intrinsics import SIMULATOR
+from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.raw_launch import RawLaunch
+
+if not SIMULATOR:
+    from cuda.bindings import driver
+
+
+@dataclass(frozen=True)
+class LaunchTimings:
+    names: tuple[str, ...]
+    """Kernel name of each launch."""
+    per_launch: tuple[float, ...]
+    """Seconds each launch ran (median over replays), measured between event nodes."""
+    replay: float
+    """Seconds of one replay of the whole list as a plain graph (median over replays)."""
+
+
+def profile_launches(launches: Sequence[Launch | RawLaunch], stream: Any, replays: int = 20) -> LaunchTimings:
+    """Time every launch of `launches` (already compiled: run them once first) and the whole list."""
+    if SIMULATOR:
+        raise RuntimeError("profiling needs a GPU; the CUDA simulator has no timers")
+    raw = [item if isinstance(item, RawLaunch) else RawLaunch(item) for item in launches]
+    handle = stream_handle(stream)
+    events = [check("cuEventCreate", driver.cuEventCreate(0)) for _ in range(len(raw) + 1)]
+    try:
+        timed = _capture_with_events(raw, events, handle)
+        plain = LaunchGraph.capture(raw, stream)
+        samples: list[list[float]] = [[] for _ in raw]
+        for _ in range(replays):
+            check("cuGraphLaunch", driver.cuGraphLaunch(timed, handle))
+            check("cuStreamSynchronize", driver.cuStreamSynchronize(handle))
+            for i in range(len(raw)):
+                elapsed = check("cuEventElapsedTime", driver.cuEventElapsedTime(events[i], events[i + 1]))
+                samples[i].append(elapsed / 1e3)
+        check("cuGraphExecDestroy", driver.cuGraphExecDestroy(timed))
+        replay = _time_replays(plain, stream, replays)
+        plain.close()
+    finally:
+        for event in events:
+            driver.cuEventDestroy(event)
+    return LaunchTimings(
+        names=tuple(launch.kernel_name for launch in raw),
+        per_launch=tuple(statistics.median(s) for s in samples),
+        replay=replay,
+    )
+
+
+def _capture_with_events(raw: list[RawLaunch], events: list[Any], handle: int) -> Any:
+    """An executable graph: event 0, launch 0, event 1, launch 1, ..., event n."""
+    external = driver.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL
+    mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+    with cuda.defer_cleanup():
+        check("cuStreamBeginCapture", driver.cuStreamBeginCapture(handle, mode))
+        try:
+            for event, launch in zip(events, raw, strict=False):
+                check("cuEventRecordWithFlags", driver.cuEventRecordWithFlags(event, handle, external))
+                launch(handle)
+            check("cuEventRecordWithFlags", driver.cuEventRecordWithFlags(events[-1], handle, external))
+        finally:
+            graph = check("cuStreamEndCapture", driver.cuStreamEndCapture(handle))
+    try:
+        graph_exec = check("cuGraphInstantiate", driver.cuGraphInstantiate(graph, 0))
+    finally:
+        check("cuGraphDestroy", driver.cuGraphDestroy(graph))
+    check("cuGraphUpload", driver.cuGraphUpload(graph_exec, handle))
+    return graph_exec
+
+
+def _time_replays(graph: LaunchGraph, stream: Any, replays: int) -> float:
+    """Median seconds of one replay, each timed by events around it (replays back to back, warm)."""
+    graph.replay(stream)
+    times = []
+    start, stop = cuda.event(), cuda.event()
+    for _ in range(replays):
+        start.record(stream)
+        graph.replay(stream)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(cuda.event_elapsed_time(start, stop) / 1e3)
+    return statistics.median(times)
