@@ -68,7 +68,7 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> object:
         path = bench_model_path(name, folder, progress)
         model_file = ModelFile(path)
         config = ModelConfig.from_model_file(model_file)
-        context = max(args.contexts) + args.tokens + WARMUP_STEPS + 2
+        context = max(args.contexts) + args.tokens + WARMUP_STEPS + 512  # + the attention tile rounding
         backend = CudaBackend(model_file, config, sequences=max([1, *args.batches]), context=context, progress=progress)
     finally:
         progress.close()

@@ -10,8 +10,6 @@ from pathlib import Path
 from cmpchat.commands.model_args import add_model_arguments, open_from_args
 from cmpchat.engine import Model
 from cmpchat.errors import CmpchatError
-from cmpchat.server.app import create_app
-from cmpchat.server.runner import address_of, bind, is_loopback, make_server
 from cmpchat.server.settings import ServerSettings
 
 
@@ -84,6 +82,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The web stack is imported only here: other commands (and machines without it) never load it.
+    from cmpchat.server.app import create_app
+    from cmpchat.server.runner import address_of, bind, is_loopback, make_server
+
     settings = settings_from_args(args)
     failure: list[str] = []
 

@@ -3,8 +3,3 @@
 The engine knows nothing of HTTP; this package turns requests into engine requests and engine events
 into OpenAI-shaped responses and streams.
 """
-
-from cmpchat.server.app import create_app
-from cmpchat.server.settings import ServerSettings
-
-__all__ = ["ServerSettings", "create_app"]
