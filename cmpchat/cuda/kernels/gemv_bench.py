@@ -22,6 +22,7 @@ from cmpchat.cuda.compile import kernel
 from cmpchat.cuda.graph import LaunchGraph
 from cmpchat.cuda.intrinsics import load_u32x4
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
+from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD
 from cmpchat.cuda.launch import Launch
 
@@ -100,8 +101,13 @@ def time_launches(launches: Launch | Sequence[Launch], repeats: int = 100, warmu
 
 
 def gemv_bytes_read(rows: int, cols: int, tokens: int, mode: str) -> int:
+    """What a launch must read: the weight, the activations (fp32 and, when normalised, the norm weight, at
+    one token; int8 with scales above) and, when accumulating, the output."""
     out_rows = output_shape(rows, tokens, mode)[1]
-    activations = tokens * (cols + cols // QUANT_BLOCK * 4)
+    if tokens == 1:
+        activations = 4 * cols * (1 if mode == "accumulate" else 2)
+    else:
+        activations = tokens * (cols + cols // QUANT_BLOCK * 4)
     return weight_bytes(rows, cols) + activations + (tokens * out_rows * 4 if mode == "accumulate" else 0)
 
 
@@ -109,7 +115,8 @@ def benchmark_gemv(
     rows: int, cols: int, tokens: int = 1, *, mode: str = "store", name: str = "", repeats: int = 30,
     warmup: int = 3, seed: int = 0, cycle_bytes: int = 1 << 30,
 ) -> GemvTiming:  # fmt: skip
-    """Time the Q8_0 GEMV on random data of this shape (needs a GPU).
+    """Time the Q8_0 GEMV a decode step runs for this shape (needs a GPU): at one token the fused kernel,
+    normalising its input unless it accumulates (as the step does), above that the batched kernel.
 
     The launches cycle through copies of the weight totalling `cycle_bytes`, so each launch streams its
     weight from DRAM as in a decode step instead of finding it in L2 (the H200's holds 50 MB).
@@ -118,13 +125,20 @@ def benchmark_gemv(
     copies = max(1, -(-cycle_bytes // weight_bytes(rows, cols)))
     quants = rng.integers(-127, 128, (rows, cols), dtype=np.int8).view(np.uint32)
     scales = (rng.random((rows, cols // QUANT_BLOCK)) * 0.01).astype(np.float16)
+    x = cuda.to_device(rng.standard_normal((tokens, cols)).astype(np.float32))
+    norm = None if mode == "accumulate" else cuda.to_device(np.ones(cols, np.float32))
     x_quants = cuda.to_device(rng.integers(-127, 128, (tokens, cols), dtype=np.int8).view(np.uint32))
     x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
     out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
+    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
     launches = []
     for _ in range(copies):
         weights = cuda.to_device(quants), cuda.to_device(scales)
-        launches.append(gemv_q8_launch(*weights, x_quants, x_scales, out, mode=mode))
+        if tokens == 1:
+            launch = gemv_q8_fused_launch(*weights, x, out, mode=mode, norm_weight=norm, eps=1e-6, sm_count=sm_count)
+        else:
+            launch = gemv_q8_launch(*weights, x_quants, x_scales, out, mode=mode)
+        launches.append(launch)
     seconds = time_launches(launches, repeats, warmup) / copies
     return GemvTiming(name, rows, cols, tokens, mode, seconds, gemv_bytes_read(rows, cols, tokens, mode))
 
