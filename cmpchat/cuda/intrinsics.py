@@ -9,8 +9,9 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
   must call it together (kernels call the reductions below from uniform control flow).
 - `warp_sum_f32`, `warp_max_f32`: butterfly reductions; every lane gets the result.
 - `unpack_f16x2(word)`: the two fp16 values packed in a uint32 (low half first) as fp32, exactly.
+- `fma_f16x2(a, b, c)`: a × b + c on the two fp16 lanes packed in each uint32, fused, one rounding (HFMA2).
 - `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
-  read-only path, for streaming weights.
+  read-only path, for streaming weights; `load_f32x4` the same for float32 arrays (activations).
 
 No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
 """
@@ -67,9 +68,20 @@ if SIMULATOR:
         return array[index], array[index + 1], array[index + 2], array[index + 3]
 
     @cuda.jit(device=True)
+    def load_f32x4(array, index):
+        return array[index], array[index + 1], array[index + 2], array[index + 3]
+
+    @cuda.jit(device=True)
     def unpack_f16x2(word):
         halves = np.array([word], dtype=np.uint32).view(np.float16)
         return float32(halves[0]), float32(halves[1])
+
+    @cuda.jit(device=True)
+    def fma_f16x2(a, b, c):
+        # float64 holds each fp16 product exactly; one rounding to fp16 then matches the hardware's fused
+        # rounding except in rare double-rounding ties of operands many binades apart.
+        a_half, b_half, c_half = (np.array([w], dtype=np.uint32).view(np.float16).astype(np.float64) for w in (a, b, c))
+        return uint32((a_half * b_half + c_half).astype(np.float16).view(np.uint32)[0])
 
 else:
     from llvmlite import ir
@@ -97,28 +109,36 @@ else:
     def shfl_xor_i32(value, lane_mask):
         return cuda.shfl_xor_sync(_FULL_MASK, value, lane_mask)
 
-    @intrinsic
-    def load_u32x4(typingctx, array, index):
-        if not (isinstance(array, types.Array) and array.dtype == uint32 and isinstance(index, types.Integer)):
-            return None
-        result = types.UniTuple(uint32, 4)
-        signature = result(array, index)
+    def _load_x4(element: types.Type, ptx_type: str, constraint: str) -> object:
+        """An intrinsic doing one 16-byte read-only load of array[index:index+4] of `element` values."""
 
-        def codegen(context, builder, sig, args):
-            array_value, index_value = args
-            array_struct = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=array_value)
-            pointer = builder.gep(array_struct.data, [index_value])
-            i32 = ir.IntType(32)
-            struct = ir.LiteralStructType([i32, i32, i32, i32])
-            asm = ir.InlineAsm(
-                ir.FunctionType(struct, [pointer.type]),
-                "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-                "=r,=r,=r,=r,l",
-            )
-            loaded = builder.call(asm, [pointer])
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, i) for i in range(4)])
+        def load_x4(typingctx, array, index):
+            if not (isinstance(array, types.Array) and array.dtype == element and isinstance(index, types.Integer)):
+                return None
+            signature = types.UniTuple(element, 4)(array, index)
 
-        return signature, codegen
+            def codegen(context, builder, sig, args):
+                array_value, index_value = args
+                array_struct = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=array_value)
+                pointer = builder.gep(array_struct.data, [index_value])
+                lane_type = ir.IntType(32) if element == uint32 else ir.FloatType()
+                struct = ir.LiteralStructType([lane_type] * 4)
+                asm = ir.InlineAsm(
+                    ir.FunctionType(struct, [pointer.type]),
+                    f"ld.global.nc.v4.{ptx_type} {{$0, $1, $2, $3}}, [$4];",
+                    f"={constraint},={constraint},={constraint},={constraint},l",
+                )
+                loaded = builder.call(asm, [pointer])
+                values = [builder.extract_value(loaded, i) for i in range(4)]
+                return context.make_tuple(builder, sig.return_type, values)
+
+            return signature, codegen
+
+        load_x4.__name__ = load_x4.__qualname__ = f"load_{ptx_type}x4"
+        return intrinsic(load_x4)
+
+    load_u32x4 = _load_x4(uint32, "u32", "r")
+    load_f32x4 = _load_x4(float32, "f32", "f")
 
     @intrinsic
     def unpack_f16x2(typingctx, word):
@@ -137,6 +157,19 @@ else:
             unpacked = builder.call(asm, args)
             values = [builder.extract_value(unpacked, i) for i in range(2)]
             return context.make_tuple(builder, sig.return_type, values)
+
+        return signature, codegen
+
+    @intrinsic
+    def fma_f16x2(typingctx, a, b, c):
+        if not all(isinstance(word, types.Integer) for word in (a, b, c)):
+            return None
+        signature = uint32(uint32, uint32, uint32)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, args)
 
         return signature, codegen
 
