@@ -57,7 +57,8 @@ class RawLaunch:
             return
         kernel, argtypes = _compile(launch)
         bound = _bind(kernel)
-        self.kernel_name = bound.name
+        # The dispatcher's Python function names the kernel even when Numba loaded it from its disk cache.
+        self.kernel_name = getattr(getattr(launch.dispatcher, "py_func", None), "__name__", None) or bound.name
         packed = pack_params(kernel_params(argtypes, launch.args))
         _check_layout(bound, packed)
         _allow_dynamic_shared(bound, launch.shared_bytes)
