@@ -188,11 +188,8 @@ class CudaBackend(Backend):
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"a decode step takes 1 to {MAX_ROWS} sequences, got {rows}")
         bucket = token_bucket(rows)
-        host_tokens = np.full(MAX_ROWS, -1, dtype=np.int32)
-        host_positions = np.full((MAX_ROWS, 4), -1, dtype=np.int32)
-        host_pages = np.zeros((MAX_ROWS, 1), dtype=np.int32)
-        host_slots = np.full(MAX_ROWS, -1, dtype=np.int32)
-        for row, (sequence, token, position) in enumerate(zip(sequences, tokens, positions, strict=True)):
+        row_tokens, row_positions, row_slots = [], [], []
+        for sequence, token, position in zip(sequences, tokens, positions, strict=True):
             if sequence.slot < 0:
                 raise ValueError("the sequence was released")
             if sequence.length >= self.states.page_tokens:
@@ -203,16 +200,17 @@ class CudaBackend(Backend):
             if not 0 <= token < self.config.vocab_size:
                 raise ValueError(f"token id {token} out of range 0..{self.config.vocab_size - 1}")
             t, h, w = (sequence.next_position,) * 3 if position is None else (int(p) for p in position)
-            host_tokens[row] = token
-            host_positions[row] = (sequence.length, t, h, w)
-            host_pages[row, 0] = sequence.slot
-            host_slots[row] = sequence.slot
+            row_tokens.append(token)
+            row_positions.append((sequence.length, t, h, w))
+            row_slots.append(sequence.slot)
+        # One copy from pinned memory carries all four inputs; rows past `rows` stay idle.
         b = self.buffers
-        stream = self.stream
-        b.tokens.copy_to_device(host_tokens, stream=stream)
-        b.positions.copy_to_device(host_positions, stream=stream)
-        b.page_table.copy_to_device(host_pages, stream=stream)
-        b.gdn_slots.copy_to_device(host_slots, stream=stream)
+        host_tokens, host_positions, host_pages, host_slots = b.stage()
+        host_tokens[:rows] = row_tokens
+        host_positions[:rows] = row_positions
+        host_pages[:rows, 0] = row_slots
+        host_slots[:rows] = row_slots
+        b.upload(self.stream)
         self._run(bucket)
         for sequence, position in zip(sequences, positions, strict=True):
             sequence.length += 1
@@ -223,7 +221,9 @@ class CudaBackend(Backend):
         step = self._steps.get(bucket)
         if step is None:
             splits = AttentionSplits.allocate(self.config, bucket, self._sm_count)
-            launches = decode_launches(self.config, self.weights, self.states, self.buffers, splits, bucket)
+            launches = decode_launches(
+                self.config, self.weights, self.states, self.buffers, splits, bucket, self._sm_count
+            )
             step = (launches, splits, None)
             self._steps[bucket] = step
             # The first step runs eagerly: it compiles the kernels and makes them ready for capture.

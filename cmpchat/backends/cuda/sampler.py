@@ -5,6 +5,12 @@ greedy (penalties + argmax) and sampled (the full filter chain and a Gumbel-max 
 buffers that each step refreshes: packed parameters, the recent-token window for the penalties and a
 Philox key. The key is drawn from the reply's own numpy generator every step, so a seeded reply is
 reproducible; draws are exact in distribution but not the numbers numpy would draw.
+
+A step's inputs lie in one device allocation (params | rng | window_count | window, typed views at 64-byte
+offsets) with a pinned host mirror, and one asynchronous copy sends the part the chosen graph reads: the
+parameters always, the Philox keys for sampled selection, the window only when a row has penalties (the
+kernels only append to it otherwise). The ids come back through a pinned array: per step one copy up, the
+graph, one copy down and a stream synchronisation.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from cmpchat.cuda.driver_api import check, stream_handle
 from cmpchat.cuda.graph import LaunchGraph
+from cmpchat.cuda.intrinsics import SIMULATOR
 from cmpchat.cuda.kernels.sampling import (
+    PARAM_COUNT,
     SamplingWorkspace,
     greedy_launches,
     pack_params,
@@ -27,19 +36,72 @@ from cmpchat.cuda.kernels.sampling import (
 )
 from cmpchat.generation.sampling import SamplingParams
 
+if not SIMULATOR:
+    from cuda.bindings import driver
+
 WINDOW = 64
 """Recent tokens kept on the device for the penalties; the default penalty window fits."""
+
+_ALIGN = 64
+"""Byte alignment of each input's view in the packed buffer (the float64 parameters need 8)."""
+
+
+class _PackedInputs:
+    """Arrays of mixed dtypes as typed views of one uint8 device buffer with a pinned host mirror, laid out
+    in the order given, so one copy uploads any leading run of them. Both start zeroed."""
+
+    def __init__(self, layout: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
+        spans, size = {}, 0
+        for name, shape, dtype in layout:
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            spans[name] = (size, size + nbytes)
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        self.host = cuda.pinned_array(size, np.uint8)
+        self.host[:] = 0
+        self.device = cuda.to_device(self.host)
+        self.end = {name: stop for name, (_, stop) in spans.items()}
+        """Bytes to copy so that the inputs up to and including `name` arrive."""
+        views = [(name, spans[name], shape, dtype) for name, shape, dtype in layout]
+        self.staged = {name: self.host[a:b].view(dtype).reshape(shape) for name, (a, b), shape, dtype in views}
+        """Host views to fill before `upload`."""
+        self.views = {name: self.device[a:b].view(dtype).reshape(shape) for name, (a, b), shape, dtype in views}
+        """Device views, for the kernels."""
+        self._pointers = (0, 0) if SIMULATOR else (self.device.device_ctypes_pointer.value, self.host.ctypes.data)
+
+    def upload(self, nbytes: int, stream: Any) -> None:
+        """Queue the copy of the first `nbytes` of the mirror to the device (the mirror must then stay
+        untouched until the stream has run the copy)."""
+        if SIMULATOR:
+            self.device[:nbytes].copy_to_device(self.host[:nbytes], stream=stream)
+            return
+        device, host = self._pointers
+        check("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync(device, host, nbytes, stream_handle(stream)))
 
 
 @dataclass
 class _Selection:
-    params: Any
-    rng: Any
-    window: Any
-    window_count: Any
-    tokens: Any
+    inputs: _PackedInputs
+    tokens: Any  # int32 [B] on the device, written by the kernels
+    chosen: np.ndarray  # int32 [B] pinned: the tokens' host copy
     greedy: _LaunchList
     sampled: _LaunchList
+    packed_params: tuple[SamplingParams, ...] | None = None
+    """The settings last packed into the staged parameters (settings rarely change between steps)."""
+
+    @property
+    def width(self) -> int:
+        return int(self.inputs.views["window"].shape[1])
+
+    def fetch(self, stream: Any) -> list[int]:
+        """The chosen ids, once the stream has run everything queued so far."""
+        if SIMULATOR:
+            self.tokens.copy_to_host(self.chosen, stream=stream)
+        else:
+            host, device = self.chosen.ctypes.data, self.tokens.device_ctypes_pointer.value
+            result = driver.cuMemcpyDtoHAsync(host, device, self.chosen.nbytes, stream_handle(stream))
+            check("cuMemcpyDtoHAsync", result)
+        stream.synchronize()
+        return self.chosen.tolist()
 
 
 class GpuSampler:
@@ -59,38 +121,54 @@ class GpuSampler:
         batch = len(params)
         width = max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
         selection = self._selection(logits, batch, width)
-        window, count = window_from_histories(histories, width)
-        keys = rng_state([int(rng.integers(0, 2**63)) for rng in rngs])
+        # A key from every reply's generator every step, greedy rows too, so seeded replies stay reproducible.
+        seeds = [int(rng.integers(0, 2**63)) for rng in rngs]
+        greedy = all(p.is_greedy for p in params)
+        inputs = selection.inputs
+        staged = inputs.staged
+        # The previous select synchronised the stream after its copy, so the mirror is free to refill.
+        settings = tuple(params)
+        if settings != selection.packed_params:
+            staged["params"][:] = pack_params(params, width)
+            selection.packed_params = settings
+        last = "params"  # greedy_launches read no Philox key
+        if not greedy:
+            staged["rng"][:] = rng_state(seeds)
+            last = "rng"
+        if any(p.has_penalties for p in params):  # else no kernel reads the window, apply_penalties returns
+            window, count = window_from_histories(histories, width)
+            staged["window"][:] = window
+            staged["window_count"][:] = count
+            last = "window"
         stream = self.stream
-        selection.params.copy_to_device(pack_params(params, width), stream=stream)
-        selection.rng.copy_to_device(keys, stream=stream)
-        selection.window.copy_to_device(window, stream=stream)
-        selection.window_count.copy_to_device(count, stream=stream)
-        graph = selection.greedy if all(p.is_greedy for p in params) else selection.sampled
+        inputs.upload(inputs.end[last], stream)
+        graph = selection.greedy if greedy else selection.sampled
         graph.replay(stream)
-        tokens = selection.tokens.copy_to_host(stream=stream)
-        stream.synchronize()
-        return [int(t) for t in tokens]
+        return selection.fetch(stream)
 
     def _selection(self, logits: Any, batch: int, width: int) -> _Selection:
         selection = self._by_batch.get(batch)
-        if selection is not None and selection.window.shape[1] == width:
+        if selection is not None and selection.width == width:
             return selection
         vocab = int(logits.shape[1])
         workspace = SamplingWorkspace.allocate(batch, vocab)
-        params = cuda.device_array((batch, 8), np.float64)
-        rng = cuda.device_array((batch, 4), np.uint32)
-        window = cuda.device_array((batch, width), np.int32)
-        window_count = cuda.device_array(batch, np.int32)
+        # In upload order: what every graph reads first, the window (penalties only) last.
+        inputs = _PackedInputs(
+            [
+                ("params", (batch, PARAM_COUNT), np.float64),
+                ("rng", (batch, 4), np.uint32),
+                ("window_count", (batch,), np.int32),
+                ("window", (batch, width), np.int32),
+            ]
+        )
+        params, rng, window_count, window = (inputs.views[name] for name in ("params", "rng", "window_count", "window"))
         tokens = cuda.device_array(batch, np.int32)
         greedy = greedy_launches(logits, params, window, window_count, tokens, workspace)
         sampled = sampling_launches(logits, params, rng, window, window_count, tokens, workspace)
         selection = _Selection(
-            params,
-            rng,
-            window,
-            window_count,
+            inputs,
             tokens,
+            cuda.pinned_array(batch, np.int32),
             _LaunchList.capture(greedy, self.stream, self.use_graphs),
             _LaunchList.capture(sampled, self.stream, self.use_graphs),
         )

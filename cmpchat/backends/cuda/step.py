@@ -5,7 +5,7 @@ from device buffers, so the list is built once per batch-size bucket and capture
 Layer by layer (matching the reference backend in GPU-mirroring mode):
 
     x = embed(tokens)
-    per layer:  h = rms_norm_quantize(x)
+    per layer:  h = rms_norm_quantize(x)   (inside the GEMV's prologue at one row: gemv_fused)
                 attention:  p = W_qkv h;  q, K/V cache = qk_norm_rope(p);  a = attention(q, cache) * sigmoid(gate)
                 GDN:        p = W_qkv|z|b|a h;  a = gated_deltanet_step(p, states)
                 x += W_out quantize(a)
@@ -15,7 +15,7 @@ Layer by layer (matching the reference backend in GPU-mirroring mode):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType
 from numba import cuda
 
 from cmpchat.backends.cuda.weights import AttentionWeights, DeviceMatrix, ModelWeights, RecurrentWeights
+from cmpchat.cuda.driver_api import check, stream_handle
 from cmpchat.cuda.intrinsics import SIMULATOR
 from cmpchat.cuda.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
 from cmpchat.cuda.kernels.elementwise import embed_q8_0
@@ -30,10 +31,14 @@ from cmpchat.cuda.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNe
 from cmpchat.cuda.kernels.gated_deltanet import decode_step as gdn_decode_step
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch
 from cmpchat.cuda.kernels.gemv_float import gemv_float_launch
+from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch
 from cmpchat.cuda.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
 from cmpchat.cuda.kernels.quantize import quantize_launch, rms_norm_quantize_launch
 from cmpchat.cuda.launch import Launch
 from cmpchat.model.config import LayerKind, ModelConfig
+
+if not SIMULATOR:
+    from cuda.bindings import driver
 
 MAX_ROWS = 16
 
@@ -82,9 +87,21 @@ class SequenceStates:
 
 @dataclass
 class StepBuffers:
-    """Device buffers of one decode step, sized for 16 rows; a step for B rows uses the first B."""
+    """Device buffers of one decode step, sized for 16 rows; a step for B rows uses the first B.
 
-    tokens: Any  # int32 [16]
+    The step's integer inputs (tokens, positions, page_table, gdn_slots) are views of one int32 device
+    array, `inputs`, at 64-byte offsets, so one asynchronous copy from pinned memory uploads them all:
+
+        tokens, positions, pages, slots = buffers.stage()   # pinned host views, every row idle
+        tokens[:rows] = ...                                  # fill the active rows
+        buffers.upload(stream)                               # queued ahead of the step's launches
+
+    Two pinned mirrors are used in turn, each guarded by an event recorded after its copy: `stage` waits
+    until the copy that last read its mirror has run, which costs nothing once the step was synchronised
+    (sampling does) and lets steps queued without waiting (prefill) keep one step ahead of the GPU.
+    """
+
+    tokens: Any  # int32 [16]                   } views of `inputs`
     positions: Any  # int32 [16, 4]: (cache index, t, h, w); negative cache index = idle row
     page_table: Any  # int32 [16, 1]: the KV slot of each row
     gdn_slots: Any  # int32 [16]: the recurrent-state slot of each row, -1 for idle rows
@@ -100,6 +117,50 @@ class StepBuffers:
     logits: Any  # fp32 [16, V]
     inv_freq: Any  # float64 [rope_dims/2]
     freq_axis: Any  # int32 [rope_dims/2]
+    inputs: Any  # int32 [112] device: tokens | positions | page_table | gdn_slots
+    staging: Any  # int32 [2, 112] pinned host mirrors of `inputs`, used in turn
+    uploaded: list[Any]  # per mirror: a CUDA event recorded after the copy that last read it
+    idle: np.ndarray = field(repr=False)  # int32 [112]: every row idle (token -1, position -1, page 0, slot -1)
+    _views: list[tuple[np.ndarray, ...]] = field(repr=False)  # per mirror: its (tokens, ..., gdn_slots) views
+    _pointers: tuple[int, ...] = field(repr=False)  # addresses of `inputs` and of each mirror (0 simulated)
+    _turn: int = 0
+
+    # (name, shape, value of an idle row) of each input, in the order they lie in `inputs`; every size is a
+    # multiple of 16 int32s, so each view starts 64-byte aligned (the kernels only need 4).
+    INPUTS = (("tokens", (MAX_ROWS,), -1), ("positions", (MAX_ROWS, 4), -1), ("page_table", (MAX_ROWS, 1), 0),
+              ("gdn_slots", (MAX_ROWS,), -1))  # fmt: skip
+
+    @staticmethod
+    def input_views(flat: Any) -> tuple[Any, ...]:
+        """(tokens, positions, page_table, gdn_slots) views of a flat int32 [112] array (host or device)."""
+        views, start = [], 0
+        for _, shape, _ in StepBuffers.INPUTS:
+            size = int(np.prod(shape))
+            views.append(flat[start : start + size].reshape(shape))
+            start += size
+        return tuple(views)
+
+    def stage(self) -> tuple[np.ndarray, ...]:
+        """Pinned host (tokens, positions, page_table, gdn_slots) for the next step, every row idle.
+
+        Fill the active rows, then `upload`. Blocks only while a copy queued two uploads ago is pending."""
+        turn = self._turn
+        self.uploaded[turn].synchronize()
+        np.copyto(self.staging[turn], self.idle)
+        return self._views[turn]
+
+    def upload(self, stream: Any) -> None:
+        """Queue the copy of the staged inputs to the device on `stream` (returns at once)."""
+        turn = self._turn
+        host = self.staging[turn]
+        if SIMULATOR:
+            self.inputs.copy_to_device(host, stream=stream)
+        else:
+            device, *mirrors = self._pointers
+            result = driver.cuMemcpyHtoDAsync(device, mirrors[turn], host.nbytes, stream_handle(stream))
+            check("cuMemcpyHtoDAsync", result)
+        self.uploaded[turn].record(stream)
+        self._turn = (turn + 1) % len(self.uploaded)
 
     @classmethod
     def allocate(cls, config: ModelConfig) -> StepBuffers:
@@ -108,11 +169,17 @@ class StepBuffers:
         gdn_width = config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads
         mixed_width = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
+        idle = np.concatenate([np.full(int(np.prod(shape)), value, np.int32) for _, shape, value in cls.INPUTS])
+        inputs = cuda.to_device(idle)
+        staging = cuda.pinned_array((2, idle.size), np.int32)
+        staging[:] = idle
+        tokens, positions, page_table, gdn_slots = cls.input_views(inputs)
+        pointers = (0,) * 3 if SIMULATOR else (inputs.device_ctypes_pointer.value, *(m.ctypes.data for m in staging))
         return cls(
-            tokens=_zeros((MAX_ROWS,), np.int32),
-            positions=_zeros((MAX_ROWS, 4), np.int32),
-            page_table=_zeros((MAX_ROWS, 1), np.int32),
-            gdn_slots=_zeros((MAX_ROWS,), np.int32),
+            tokens=tokens,
+            positions=positions,
+            page_table=page_table,
+            gdn_slots=gdn_slots,
             hidden=_zeros((MAX_ROWS, d)),
             normalized=_zeros((MAX_ROWS, d)),
             x_quants=_zeros((MAX_ROWS, d // 4), np.uint32),
@@ -125,6 +192,13 @@ class StepBuffers:
             logits=_zeros((MAX_ROWS, config.vocab_size)),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
+            inputs=inputs,
+            staging=staging,
+            # The simulator runs everything synchronously; its events take no timing flag and do nothing.
+            uploaded=[cuda.event() if SIMULATOR else cuda.event(timing=False) for _ in staging],
+            idle=idle,
+            _views=[cls.input_views(mirror) for mirror in staging],
+            _pointers=pointers,
         )
 
 
@@ -150,20 +224,20 @@ def decode_launches(
     buffers: StepBuffers,
     splits: AttentionSplits,
     rows: int,
+    sm_count: int,
 ) -> list[Launch]:
     """Every launch of one decode step for the first `rows` rows of the step buffers, in order."""
     b = buffers
-    eps = config.rms_eps
     hidden = b.hidden[:rows]
     launches = [embed_q8_0(b.tokens[:rows], weights.embedding.quants, weights.embedding.scales, hidden)]
     gdn_shape = GatedDeltaNetShape.from_config(config)
+    inputs = _MatmulInputs(b, rows, config.rms_eps, sm_count)
     for index, layer in enumerate(weights.layers):
-        launches += _norm_quantize(hidden, layer.mixer_norm, eps, b, rows)
         mixer = layer.mixer
         if isinstance(mixer, AttentionWeights):
             width = 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
             projection = _columns(b.projection, rows, width)
-            launches.append(_matmul(mixer.qkv, b, rows, projection))
+            launches += inputs.normed(mixer.qkv, hidden, layer.mixer_norm, projection)
             q = b.q[:rows]
             k_cache, v_cache = states.k_cache[index], states.v_cache[index]
             positions, pages = b.positions[:rows], b.page_table[:rows]
@@ -176,7 +250,7 @@ def decode_launches(
                     mixer.k_norm,
                     b.inv_freq,
                     b.freq_axis,
-                    eps,
+                    config.rms_eps,
                     q,
                     k_cache,
                     v_cache,
@@ -198,7 +272,7 @@ def decode_launches(
         else:
             assert isinstance(mixer, RecurrentWeights) and layer.kind is LayerKind.RECURRENT
             projection = _columns(b.projection, rows, mixer.projection.rows)
-            launches.append(_matmul(mixer.projection, b, rows, projection))
+            launches += inputs.normed(mixer.projection, hidden, layer.mixer_norm, projection)
             attended = _columns(b.mixed, rows, config.num_v_heads * config.v_head_dim)
             gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
             launches += gdn_decode_step(
@@ -210,18 +284,48 @@ def decode_launches(
                 b.gdn_slots[:rows],
                 attended,
             )
-        launches += _project_into(mixer.output, attended, b, rows, hidden)
-        launches += _norm_quantize(hidden, layer.mlp_norm, eps, b, rows)
+        launches += inputs.project_into(mixer.output, attended, hidden)
         activated = _columns(b.mixed, rows, config.ffn_size)
-        launches.append(_matmul(layer.gate_up, b, rows, activated, mode="swiglu"))
-        launches += _project_into(layer.down, activated, b, rows, hidden)
-    launches += _norm_quantize(hidden, weights.output_norm, eps, b, rows)
-    launches.append(_matmul(weights.lm_head, b, rows, b.logits[:rows]))
+        launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")
+        launches += inputs.project_into(layer.down, activated, hidden)
+    launches += inputs.normed(weights.lm_head, hidden, weights.output_norm, b.logits[:rows])
     return launches
 
 
-def _norm_quantize(hidden: Any, weight: Any, eps: float, b: StepBuffers, rows: int) -> list[Launch]:
-    return [rms_norm_quantize_launch(hidden, weight, eps, b.x_quants[:rows], b.x_scales[:rows], b.normalized[:rows])]
+@dataclass(frozen=True)
+class _MatmulInputs:
+    """How a step prepares each matmul's input: at one row a Q8_0 GEMV normalises and quantises it itself
+    (`gemv_fused`); otherwise a launch writes the int8 (and fp32, for float weights) form first."""
+
+    b: StepBuffers
+    rows: int
+    eps: float
+    sm_count: int
+
+    def fused(self, matrix: DeviceMatrix) -> bool:
+        return self.rows == 1 and matrix.is_q8_0
+
+    def normed(self, matrix: DeviceMatrix, hidden: Any, norm: Any, out: Any, mode: str = "store") -> list[Launch]:
+        """out (=, or SwiGLU) matrix @ RMSNorm(hidden) * norm."""
+        if self.fused(matrix):
+            return [
+                gemv_q8_fused_launch(matrix.quants, matrix.scales, hidden, out, mode=mode, norm_weight=norm,
+                                     eps=self.eps, sm_count=self.sm_count)
+            ]  # fmt: skip
+        b, rows = self.b, self.rows
+        norm_launch = rms_norm_quantize_launch(
+            hidden, norm, self.eps, b.x_quants[:rows], b.x_scales[:rows], b.normalized[:rows]
+        )
+        return [norm_launch, _matmul(matrix, b, rows, out, mode)]
+
+    def project_into(self, matrix: DeviceMatrix, activations: Any, hidden: Any) -> list[Launch]:
+        """hidden += matrix @ activations (the residual add fused into the GEMV)."""
+        if self.fused(matrix):
+            return [
+                gemv_q8_fused_launch(matrix.quants, matrix.scales, activations, hidden, mode="accumulate",
+                                     sm_count=self.sm_count)
+            ]  # fmt: skip
+        return _project_into(matrix, activations, self.b, self.rows, hidden)
 
 
 def _matmul(matrix: DeviceMatrix, b: StepBuffers, rows: int, out: Any, mode: str = "store") -> Launch:

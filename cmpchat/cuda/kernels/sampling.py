@@ -381,7 +381,7 @@ def window_from_histories(histories: Sequence[Sequence[int]], width: int) -> tup
     window = np.zeros((len(histories), width), np.int32)
     count = np.zeros(len(histories), np.int32)
     for row, history in enumerate(histories):
-        recent = list(history)[-width:]
+        recent = list(history[-width:])  # not list(history): a history holds the whole context
         start = len(history) - len(recent)
         for i, token in enumerate(recent):
             window[row, (start + i) % width] = token

@@ -1,0 +1,187 @@
+"""The CUDA backend's per-step host <-> device traffic.
+
+A decode step's integer inputs (tokens, positions, page table, GDN slots) are views of one device buffer that
+one copy from pinned memory fills; GPU selection uploads one packed buffer (only the part its graph reads)
+and brings the ids back through pinned memory. These tests check the views' layout, that staged rows land
+where the kernels read them, and that selection picks what the unpacked path (fresh device arrays, every
+input uploaded, as before the packing) picks, with the same draws from each reply's generator. They run
+under the CUDA simulator; the `gpu` variants repeat them on a GPU (`pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from cmpchat.backends.cuda.model import CudaBackend
+from cmpchat.backends.cuda.sampler import WINDOW, GpuSampler
+from cmpchat.backends.cuda.step import MAX_ROWS, StepBuffers
+from cmpchat.cuda.kernels.sampling import (
+    SamplingWorkspace,
+    greedy_launches,
+    pack_params,
+    rng_state,
+    sampling_launches,
+    window_from_histories,
+)
+from cmpchat.generation.sampling import SamplingParams, sample_token
+from cmpchat.model.config import ModelConfig
+from cmpchat.model.gguf_file import ModelFile
+
+ON_DEVICE = [pytest.param("simulator", id="sim"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
+"""Each test runs once: under the simulator by default, on the GPU with `-m gpu`."""
+
+
+def address(array) -> int:
+    interface = getattr(array, "__cuda_array_interface__", None)
+    return interface["data"][0] if interface is not None else array.ctypes.data  # the simulator's numpy arrays
+
+
+def device_inputs(buffers: StepBuffers) -> tuple[np.ndarray, ...]:
+    return tuple(view.copy_to_host() for view in (buffers.tokens, buffers.positions, buffers.page_table,
+                                                  buffers.gdn_slots))  # fmt: skip
+
+
+def idle_rows(rows: int) -> tuple[np.ndarray, ...]:
+    return (
+        np.full(rows, -1, np.int32),
+        np.full((rows, 4), -1, np.int32),
+        np.zeros((rows, 1), np.int32),
+        np.full(rows, -1, np.int32),
+    )
+
+
+@pytest.mark.parametrize("where", ON_DEVICE)
+def test_step_inputs_are_aligned_views_of_one_buffer(tiny_model_path, where) -> None:
+    buffers = StepBuffers.allocate(ModelConfig.from_model_file(ModelFile(tiny_model_path)))
+    base = address(buffers.inputs)
+    layout = {"tokens": ((16,), 0), "positions": ((16, 4), 64), "page_table": ((16, 1), 320), "gdn_slots": ((16,), 384)}
+    for name, (shape, offset) in layout.items():
+        view = getattr(buffers, name)
+        assert tuple(view.shape) == shape and view.dtype == np.int32 and view.is_c_contiguous(), name
+        assert address(view) - base == offset, name
+        assert address(view) % 16 == 0, name
+    assert buffers.inputs.size == sum(int(np.prod(shape)) for shape, _ in layout.values())
+
+
+@pytest.mark.parametrize("where", ON_DEVICE)
+def test_staged_rows_land_in_the_device_views(tiny_model_path, where) -> None:
+    buffers = StepBuffers.allocate(ModelConfig.from_model_file(ModelFile(tiny_model_path)))
+    stream = cuda.stream()
+    tokens, positions, pages, slots = buffers.stage()
+    tokens[:2] = [5, 7]
+    positions[:2] = [(3, 3, 3, 3), (0, 10, 11, 12)]
+    pages[:2, 0] = [1, 0]
+    slots[:2] = [1, 0]
+    buffers.upload(stream)
+    stream.synchronize()
+    got = device_inputs(buffers)
+    np.testing.assert_array_equal(got[0][:2], [5, 7])
+    np.testing.assert_array_equal(got[1][:2], [(3, 3, 3, 3), (0, 10, 11, 12)])
+    np.testing.assert_array_equal(got[2][:2, 0], [1, 0])
+    np.testing.assert_array_equal(got[3][:2], [1, 0])
+    for value, idle in zip(got, idle_rows(MAX_ROWS - 2), strict=True):
+        np.testing.assert_array_equal(value[2:], idle)
+    # Three steps queued without waiting: the mirrors alternate, each starts idle, the last upload wins.
+    for step in range(3):
+        staged = buffers.stage()
+        for value, idle in zip(staged, idle_rows(MAX_ROWS), strict=True):
+            np.testing.assert_array_equal(value, idle)
+        staged[0][0], staged[1][0], staged[2][0, 0], staged[3][0] = 40 + step, (step, 1, 2, 3), 2, 2
+        buffers.upload(stream)
+    stream.synchronize()
+    got = device_inputs(buffers)
+    assert (got[0][0], tuple(got[1][0]), got[2][0, 0], got[3][0]) == (42, (2, 1, 2, 3), 2, 2)
+    for value, idle in zip(got, idle_rows(MAX_ROWS - 1), strict=True):
+        np.testing.assert_array_equal(value[1:], idle)
+
+
+@pytest.mark.parametrize("where", ON_DEVICE)
+def test_decode_stages_each_rows_inputs(tiny_model_path, where) -> None:
+    backend = CudaBackend(ModelFile(tiny_model_path), context=256, sequences=3)
+    runs: list[int] = []
+    backend._run = runs.append  # the inputs only: the kernels have their own tests
+    first, second = backend.new_sequence(), backend.new_sequence()
+    backend.decode([first, second], [72, 33])
+    backend.stream.synchronize()
+    tokens, positions, pages, slots = device_inputs(backend.buffers)
+    np.testing.assert_array_equal(tokens[:2], [72, 33])
+    np.testing.assert_array_equal(positions[:2], [(0, 0, 0, 0), (0, 0, 0, 0)])
+    np.testing.assert_array_equal(pages[:2, 0], [first.slot, second.slot])
+    np.testing.assert_array_equal(slots[:2], [first.slot, second.slot])
+    backend.prefill(second, [5, 6], positions=np.array([[7, 8, 9], [10, 10, 11]]))
+    backend.decode([first], [9])
+    backend.stream.synchronize()
+    assert runs == [2, 1, 1, 1]
+    got = device_inputs(backend.buffers)
+    assert (got[0][0], tuple(got[1][0]), got[2][0, 0], got[3][0]) == (9, (1, 1, 1, 1), first.slot, first.slot)
+    for value, idle in zip(got, idle_rows(MAX_ROWS - 1), strict=True):
+        np.testing.assert_array_equal(value[1:], idle)
+    assert (second.length, second.next_position) == (3, 12)
+
+
+def unpacked_select(logits: np.ndarray, params, histories, rngs) -> list[int]:
+    """Selection as `GpuSampler.select` did it before its inputs were packed: fresh device arrays, every
+    input uploaded, a key drawn from every generator."""
+    batch, vocab = logits.shape
+    width = max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
+    window, count = window_from_histories(histories, width)
+    keys = rng_state([int(rng.integers(0, 2**63)) for rng in rngs])
+    device = [cuda.to_device(a) for a in (logits, pack_params(params, width), keys, window, count)]
+    logits_d, params_d, rng_d, window_d, count_d = device
+    tokens = cuda.to_device(np.zeros(batch, np.int32))
+    workspace = SamplingWorkspace.allocate(batch, vocab)
+    if all(p.is_greedy for p in params):
+        launches = greedy_launches(logits_d, params_d, window_d, count_d, tokens, workspace)
+    else:
+        launches = sampling_launches(logits_d, params_d, rng_d, window_d, count_d, tokens, workspace)
+    for launch in launches:
+        launch.run()
+    return tokens.copy_to_host().tolist()
+
+
+GREEDY = SamplingParams()
+PENALISED = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, penalty_window=16)
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1)
+SAMPLED_PENALISED = SamplingParams(temperature=1.1, min_p=0.05, repetition_penalty=1.2, penalty_window=48, seed=2)
+WIDE = SamplingParams(temperature=0.7, frequency_penalty=0.3, penalty_window=80)  # a wider device window
+# Steps of one batch, so one cached selection sees every switch: penalties on and off (the window is then
+# not uploaded), greedy and sampled graphs (the keys are not uploaded for greedy), settings changed and back;
+# then a penalty window wider than the device's, which rebuilds the selection.
+STEPS = [
+    [GREEDY, PENALISED],
+    [SAMPLED, GREEDY],
+    [GREEDY, GREEDY],
+    [SAMPLED_PENALISED, SAMPLED],
+    [SAMPLED, GREEDY],
+    [PENALISED, SAMPLED_PENALISED],
+    [WIDE, GREEDY],
+]
+
+
+@pytest.mark.parametrize("where", ON_DEVICE)
+def test_selection_matches_the_unpacked_path(where) -> None:
+    batch, vocab = (2, 300) if where == "simulator" else (4, 248_320)
+    data = np.random.default_rng(5)
+    stream = cuda.stream()
+    sampler = GpuSampler(stream, use_graphs=True)
+    rngs = [np.random.default_rng(100 + row) for row in range(batch)]
+    reference_rngs = [np.random.default_rng(100 + row) for row in range(batch)]
+    histories = [data.integers(0, vocab, 90 + 7 * row).tolist() for row in range(batch)]
+    logits = cuda.device_array((batch, vocab), np.float32)  # one buffer, as the backend's step logits
+    for step, settings in enumerate(STEPS):
+        params = [settings[row % 2] for row in range(batch)]
+        host = (data.standard_normal((batch, vocab)) * 3).astype(np.float32)
+        host[:, histories[0][-3:]] += 4  # recent tokens near the top, so the penalties matter
+        expected = unpacked_select(host, params, histories, reference_rngs)
+        logits.copy_to_device(host)
+        got = sampler.select(logits, params, histories, rngs)
+        assert got == expected, f"step {step}"
+        for row, p in enumerate(params):
+            if p.is_greedy:
+                assert got[row] == sample_token(host[row], p, histories[row], np.random.default_rng()), f"step {step}"
+        for history, token in zip(histories, got, strict=True):
+            history.append(token)
+    # Every step took one draw from each reply's generator, as before.
+    assert [int(r.integers(0, 2**63)) for r in rngs] == [int(r.integers(0, 2**63)) for r in reference_rngs]
