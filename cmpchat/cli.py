@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from cmpchat import __version__
-from cmpchat.commands import bench, chat_app, info, run, serve, tokenize
+from cmpchat.commands import bench, chat_app, doctor, info, run, serve, tokenize
 from cmpchat.errors import CmpchatError
 
-COMMANDS = (chat_app, run, serve, info, tokenize, bench)
+COMMANDS = (chat_app, run, serve, info, tokenize, bench, doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,13 +30,11 @@ KERNELS: list[KernelSpec] = []
 def kernel(
     *signatures: str,
     launch_bounds: int | None = None,
-    exempt_from_tensor_core_check: bool = False,
 ) -> Callable[[Callable[..., None]], Any]:
     """Define a kernel compiled on first launch (cached on disk) and register its signatures.
 
     `launch_bounds` is the most threads per block the kernel is launched with; ptxas then keeps its
     registers low enough for such a block (e.g. 64 per thread for 1024 threads).
-    Only the hardware probe of `cmpchat doctor --tensor-cores` may pass `exempt_from_tensor_core_check`.
     """
     if not signatures:
         raise ValueError("a kernel needs at least one launch signature for the PTX check")
@@ -45,8 +43,7 @@ def kernel(
         options: dict[str, Any] = {} if launch_bounds is None else {"launch_bounds": launch_bounds}
         dispatcher = cuda.jit(function) if SIMULATOR else cuda.jit(cache=True, **options)(function)
         spec = KernelSpec(function.__qualname__, function.__module__, signatures, dispatcher)
-        if not exempt_from_tensor_core_check:
-            KERNELS.append(spec)
+        KERNELS.append(spec)
         return dispatcher
 
     return define
