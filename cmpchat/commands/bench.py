@@ -59,7 +59,7 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> object:
     from cmpchat.bench.limits import weight_bytes_per_step
     from cmpchat.bench.llama_cpp import decode_command, run_llama_bench
     from cmpchat.bench.report import DecodeReport, format_decode
-    from cmpchat.cuda.kernels.gemv_bench import read_bandwidth
+    from cmpchat.cuda.kernels.throughput_probes import streaming_read_bandwidth
     from cmpchat.model.config import ModelConfig
     from cmpchat.model.gguf_file import ModelFile
 
@@ -74,7 +74,7 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> object:
         progress.close()
     say = _say
     say(f"{path.name}: measuring streaming-read bandwidth")
-    bandwidth = read_bandwidth() * 1e9
+    bandwidth = streaming_read_bandwidth()  # as `cmpchat doctor` measures it
     runs = run_decode(backend, weight_bytes_per_step(model_file, config), bandwidth, args.contexts, args.batches,
                       args.tokens, say)  # fmt: skip
     gpu = backend.gpu.name

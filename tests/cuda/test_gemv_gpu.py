@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch
-from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES, benchmark_gemv, read_bandwidth
+from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES, benchmark_gemv
 from cmpchat.cuda.kernels.gemv_float import gemv_float_launch
+from cmpchat.cuda.kernels.throughput_probes import streaming_read_bandwidth
 from cmpchat.model.quant import quantize_activations
 from tests.cuda.test_gemv_sim import assert_close, bf16_bits
 
@@ -100,7 +101,7 @@ def test_float_weights_at_a_real_shape(kind: str, tokens: int) -> None:
 
 def test_benchmark_reports_bandwidth() -> None:
     """Smoke test of the benchmark (run with -s to see the figures; tuning targets >= 85% of the read limit)."""
-    limit = read_bandwidth(1 << 28, repeats=5)
+    limit = streaming_read_bandwidth(1 << 28, repeats=5) / 1e9
     assert limit > 0
     for model in QWEN_GEMV_SHAPES:
         for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:

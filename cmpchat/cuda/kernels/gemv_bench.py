@@ -2,7 +2,7 @@
 
 `python -m cmpchat.cuda.kernels.gemv_bench [9B 27B] [--tokens 1 4 16]` prints, per shape, the time per
 launch and the bytes it must read divided by that time, next to the streaming-read bandwidth measured in
-the same run (`read_bandwidth`), so the ratio carries over from the H200 to the CMP.
+the same run (`throughput_probes.streaming_read_bandwidth`, as `cmpchat doctor`), so the ratio carries over from the H200 to the CMP.
 
 Timing: the launches are captured as a CUDA graph and CUDA events time back-to-back replays, so neither
 Numba's launch path (tens of µs per launch, longer than a small GEMV runs) nor L2 hits (each weight is
@@ -23,7 +23,7 @@ from cmpchat.cuda.graph import LaunchGraph
 from cmpchat.cuda.intrinsics import load_u32x4
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
 from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch
-from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD
+from cmpchat.cuda.kernels.quantize import QUANT_BLOCK
 from cmpchat.cuda.launch import Launch
 
 # (name, rows, cols, mode) of every Q8_0 projection a decode step runs, with the fused layouts the
@@ -143,22 +143,15 @@ def benchmark_gemv(
     return GemvTiming(name, rows, cols, tokens, mode, seconds, gemv_bytes_read(rows, cols, tokens, mode))
 
 
-def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
-    """Streaming-read bandwidth (GB/s) of this GPU, measured the way the GEMV reads: 16-byte loads."""
-    words = cuda.to_device(np.zeros(nbytes // 4 // VALUES_PER_WORD * VALUES_PER_WORD, np.uint32))
-    sink = cuda.to_device(np.zeros(1, np.uint32))
-    blocks = cuda.get_current_device().MULTIPROCESSOR_COUNT * 8
-    seconds = time_launches(Launch(read_stream, blocks, 256, (words, sink)), repeats, warmup=3)
-    return words.nbytes / seconds / 1e9
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(QWEN_GEMV_SHAPES), choices=list(QWEN_GEMV_SHAPES))
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    limit = read_bandwidth()
+    from cmpchat.cuda.kernels.throughput_probes import streaming_read_bandwidth  # (it imports this module)
+
+    limit = streaming_read_bandwidth() / 1e9
     print(f"streaming read: {limit:.0f} GB/s")
     print(f"{'model':5} {'shape':24} {'rows':>7} {'cols':>6} {'T':>3} {'mode':10} {'µs':>9} {'GB/s':>7} {'of read':>8}")
     for model in args.models:

@@ -167,7 +167,7 @@ def compute_rate(probe: ComputeProbe, seconds_per_launch: float = 0.005, repeats
 def streaming_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Bytes/s the current GPU streams from its memory with 16-byte loads: the decode denominator.
 
-    The same kernel as `gemv_bench.read_bandwidth`, on uninitialised memory: filling 1 GiB from the host would
+    The GEMV benchmark's read kernel, on uninitialised memory: filling 1 GiB from the host would
     take 5 s over a CMP's PCIe Gen1 x1 link, and the values do not matter (the H200 reads both at 4.57 TB/s).
     """
     words = cuda.device_array(nbytes // 16 * 4, np.uint32)
