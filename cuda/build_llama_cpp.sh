@@ -3,23 +3,29 @@
 # runs it on the same GGUF file to compare decode (tg128) and prompt (pp N) speed with ours.
 #
 # Run on a machine with nvcc (CUDA 13) and PyPI access, from anywhere in the repository:
-#     cuda/build_llama_cpp.sh [ARCH]        ARCH: CUDA architecture, default 90 (H200); the CMP 100-210 is 70
+#     cuda/build_llama_cpp.sh [ARCH]        ARCH: CUDA architecture, default 90 (H200); the CMP 100-210 is 70,
+#                                           which CUDA 13 no longer builds: give a CUDA 12 toolkit as CUDA_HOME
 # Environment (all optional):
-#     LCP_CACHE=DIR     folder with llama_cpp_python-VERSION.tar.gz and/or the nvidia_cublas wheel (else downloaded)
+#     LCP_CACHE=DIR     where the llama_cpp_python-VERSION.tar.gz sdist and the nvidia_cublas wheel are looked for
+#                       first, and downloaded to if missing (default /tmp/cmpchat-llama.cpp/downloads)
 #     LCP_VERSION=0.3.36            the llama-cpp-python sdist whose vendor/llama.cpp is built (it knows qwen35)
 #     CUBLAS_VERSION=13.0.2.14      the nvidia-cublas wheel linked against when the toolkit has no cuBLAS
 #     GGML_CUDA_FA_QUANTS=f16-f16   FlashAttention K-V types compiled (llama-bench's default KV cache is f16)
-#     CUDA_HOME=/usr/local/cuda   JOBS=$(nproc)   LLAMA_WORK=.llama.cpp/work-smARCH (sources and build)
+#     CUDA_HOME=/usr/local/cuda   JOBS=$(nproc)
+#     LLAMA_WORK=/tmp/cmpchat-llama.cpp/smARCH     sources and build (about 1.1 GB), outside .llama.cpp/ so that
+#                       the folder of archives can travel whole
 #     CONFIGURE_ONLY=1              stop after cmake's configure (to check options in seconds)
 # Output: .llama.cpp/llama-bench-smARCH.tar.xz (git-ignored), one folder llama-bench-smARCH/ holding
-#     llama-bench          stripped; ggml and llama static; needs libcudart/libcublas/libcublasLt .so.13, libcuda.so.1
+#     llama-bench          stripped; ggml, llama and libstdc++ static; needs glibc 2.34 (Ubuntu 22.04, Debian 12,
+#                          RHEL 9), libcudart/libcublas/libcublasLt .so.13 (CUDA 13) and the driver's libcuda.so.1
 #     run-llama-bench.sh   finds those libraries (python3's site-packages nvidia/*/lib, then /usr/local/cuda*)
-#     lib/                 libgomp.so.1 (OpenMP), in case the GPU machine lacks it
+#     lib/                 libgomp.so.1 (OpenMP), used only where the GPU machine lacks one
 #     BUILD-INFO.txt       llama-cpp-python version, llama.cpp build number and commit, options, compilers
 # There (no nvcc, no network needed):
 #     tar xf .llama.cpp/llama-bench-sm90.tar.xz -C /tmp
 #     /tmp/llama-bench-sm90/run-llama-bench.sh -m MODEL.gguf -p 512 -n 128 -fa 1 -ngl 99 -o json
-# A two-core machine takes over an hour: the CUDA templates (matrix products, FlashAttention) dominate.
+# One architecture takes about 35 minutes on two cores: the CUDA templates (matrix products, FlashAttention)
+# are most of it.
 set -euo pipefail
 
 ARCH=${1:-${CUDA_ARCH:-90}}
@@ -28,30 +34,31 @@ CUBLAS_VERSION=${CUBLAS_VERSION:-13.0.2.14}
 FA_QUANTS=${GGML_CUDA_FA_QUANTS:-f16-f16}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 JOBS=${JOBS:-$(nproc)}
-LCP_CACHE=${LCP_CACHE:-}
 
 ROOT=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 OUTDIR=$ROOT/.llama.cpp
 ARCH_NAME=${ARCH%%-*}                       # 90-real -> 90
 case $ARCH in *-*) CMAKE_ARCH=$ARCH ;; *) CMAKE_ARCH=$ARCH-real ;; esac   # SASS only: no PTX to carry
 NAME=llama-bench-sm$ARCH_NAME
-WORK=${LLAMA_WORK:-$OUTDIR/work-sm$ARCH_NAME}
-DL=$WORK/downloads
+WORK=${LLAMA_WORK:-${TMPDIR:-/tmp}/cmpchat-llama.cpp/sm$ARCH_NAME}
+DL=${LCP_CACHE:-${TMPDIR:-/tmp}/cmpchat-llama.cpp/downloads}
 T0=$(date +%s)
 
 step() { printf '\n[%s +%ds] == %s\n' "$(date +%H:%M:%S)" $(( $(date +%s) - T0 )) "$*"; }
 die() { echo "build_llama_cpp: $*" >&2; exit 1; }
 
 [ -x "$CUDA_HOME/bin/nvcc" ] || die "no nvcc at $CUDA_HOME/bin/nvcc (set CUDA_HOME)"
+CUDA_MAJOR=$("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+"$CUDA_HOME/bin/nvcc" --list-gpu-arch | grep -qx "compute_$ARCH_NAME" \
+    || die "nvcc $CUDA_MAJOR cannot build sm_$ARCH_NAME (CUDA 13 dropped sm_70 and older): set CUDA_HOME to a CUDA 12 toolkit"
 mkdir -p "$OUTDIR" "$WORK" "$DL"
 grep -qxF '/.llama.cpp/' "$ROOT/.gitignore" 2>/dev/null || echo '/.llama.cpp/' >> "$ROOT/.gitignore"
 
-# A file from the cache folder if there, else fetched by pip into $DL.
+# A file from the download folder, fetched by pip if missing there.
 fetch() {  # fetch GLOB PIP-ARGS...
     local glob=$1 f; shift
-    for f in ${LCP_CACHE:+$LCP_CACHE/$glob} $DL/$glob; do
-        [ -f "$f" ] && { echo "$f"; return; }
-    done
+    for f in $DL/$glob; do [ -f "$f" ] && { echo "$f"; return; }; done
+    echo "downloading $glob" >&2
     python3 -m pip download -q --no-deps -d "$DL" "$@" >&2
     for f in $DL/$glob; do [ -f "$f" ] && { echo "$f"; return; }; done
     die "pip did not leave $glob in $DL"
@@ -86,6 +93,7 @@ if [ -f "$CUDA_HOME/include/cublas_v2.h" ] && ls "$CUDA_HOME"/lib64/libcublas.so
     CUBLASLT_LIB=$(ls "$CUDA_HOME"/lib64/libcublasLt.so* | head -1)
     CUBLAS_FROM="toolkit $CUDA_HOME"
 else  # a toolkit of pip wheels (nvcc, cudart) has no cuBLAS: headers and .so from the nvidia-cublas wheel
+    [ "$CUDA_MAJOR" = 13 ] || die "no cuBLAS in $CUDA_HOME, and the nvidia-cublas wheel is CUDA 13's"
     WHEEL=$(fetch "nvidia_cublas-$CUBLAS_VERSION-*.whl" --only-binary :all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 "nvidia-cublas==$CUBLAS_VERSION")
@@ -112,17 +120,36 @@ if [ -z "$CUDA_STUB" ]; then
     echo "libcuda stub: $(wc -l < "$WORK/stubs/libcuda.c") functions from cuda.h"
 fi
 
+# std::random_device in the static libstdc++ calls arc4random, new in glibc 2.36: route it to getrandom
+# (glibc 2.25), so that the binary needs glibc 2.34 (its start code) and runs on Ubuntu 22.04 too.
+mkdir -p "$WORK/compat"
+cat > "$WORK/compat/arc4random.c" <<'EOF'
+#include <stdint.h>
+#include <sys/random.h>
+#include <time.h>
+uint32_t __wrap_arc4random(void) {
+    uint32_t v;
+    if (getrandom(&v, sizeof v, 0) == (ssize_t) sizeof v) return v;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint32_t) (t.tv_nsec ^ (t.tv_sec * 2654435761u));
+}
+EOF
+gcc -O2 -fPIC -c -o "$WORK/compat/arc4random.o" "$WORK/compat/arc4random.c"
+
 step "configure (CUDA arch $CMAKE_ARCH, FlashAttention KV types $FA_QUANTS)"
 BUILD=$WORK/build
 CMAKE_ARGS=(
-    -G Ninja -DCMAKE_BUILD_TYPE=Release
+    -GNinja -DCMAKE_BUILD_TYPE=Release
     -DCMAKE_CUDA_COMPILER="$CUDA_HOME/bin/nvcc" -DCUDAToolkit_ROOT="$CUDA_HOME"
     -DCMAKE_CUDA_ARCHITECTURES="$CMAKE_ARCH"
     -DCMAKE_CUDA_FLAGS="-I$CUBLAS_INC"
     -DCUDA_cublas_LIBRARY="$CUBLAS_LIB" -DCUDA_cublasLt_LIBRARY="$CUBLASLT_LIB"
     -DCUDA_cuda_driver_LIBRARY="$CUDA_STUB"
-    # libcublas.so.13 needs libcublasLt.so.13 at link time
-    -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc -Wl,-rpath-link,$(dirname "$CUBLASLT_LIB")"
+    # one binary: libstdc++ inside (libgcc_s stays shared: cuBLAS needs it anyway); libcublas.so.13 needs
+    # libcublasLt.so.13 at link time
+    -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -Wl,--wrap=arc4random $WORK/compat/arc4random.o -Wl,-rpath-link,$(dirname "$CUBLASLT_LIB")"
+    -DCMAKE_SKIP_RPATH=ON           # no build paths in the binary: run-llama-bench.sh sets LD_LIBRARY_PATH
     -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF -DGGML_CCACHE=OFF
     # the GPU host's CPU runs only what is not offloaded: x86-64-v3, as llama.cpp's own releases build
     -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
@@ -148,12 +175,11 @@ step "pack"
 STAGE=$WORK/stage/$NAME
 rm -rf "$WORK/stage" && mkdir -p "$STAGE/lib"
 strip -o "$STAGE/llama-bench" "$BUILD/bin/llama-bench"
-if ldd "$STAGE/llama-bench" | grep -q libgomp; then
-    cp -L "$(gcc -print-file-name=libgomp.so.1)" "$STAGE/lib/"
-fi
+NEEDED=$(readelf -d "$STAGE/llama-bench" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | paste -sd' ')
+case " $NEEDED " in *" libgomp.so.1 "*) cp -L "$(gcc -print-file-name=libgomp.so.1)" "$STAGE/lib/" ;; esac
 cat > "$STAGE/run-llama-bench.sh" <<'EOF'
 #!/usr/bin/env bash
-# Run the llama-bench next to this script with the CUDA 13 runtime and cuBLAS found on this machine:
+# Run the llama-bench next to this script with the CUDA @MAJOR@ runtime and cuBLAS found on this machine:
 # python3's site-packages nvidia/*/lib (the pip wheels nvidia-cuda-runtime, nvidia-cublas), then
 # /usr/local/cuda*; libcuda.so.1 is the driver's. Arguments go to llama-bench unchanged.
 set -euo pipefail
@@ -167,7 +193,7 @@ for d in /usr/local/cuda /usr/local/cuda-* /usr/local/cuda/targets/*-linux /usr/
     [ -d "$d" ] && roots+=("$d")
 done
 dirs=()
-for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
+for lib in libcudart.so.@MAJOR@ libcublas.so.@MAJOR@ libcublasLt.so.@MAJOR@; do
     found=
     for r in "${roots[@]}"; do
         found=$(find -L "$r" -maxdepth 4 -name "$lib" -path '*/lib*/*' 2>/dev/null | head -1 || true)
@@ -176,15 +202,17 @@ for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
     [ -n "$found" ] || { echo "run-llama-bench: $lib not found in ${roots[*]:-nothing}" >&2; exit 1; }
     dirs+=("$(dirname "$found")")
 done
-ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1' || for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do
-    [ -e "$d/libcuda.so.1" ] && dirs+=("$d")
-done
-[ -d "$here/lib" ] && dirs+=("$here/lib")
+cache=$(ldconfig -p 2>/dev/null || true)
+if [[ $cache != *libcuda.so.1* ]]; then
+    for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib; do [ -e "$d/libcuda.so.1" ] && dirs+=("$d"); done
+fi
+[[ $cache == *libgomp.so.1* ]] || dirs+=("$here/lib")   # the packed libgomp only where the system has none
 path=$(printf '%s\n' "${dirs[@]}" | awk '!seen[$0]++' | paste -sd:)
 export LD_LIBRARY_PATH=$path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 echo "run-llama-bench: LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >&2
 exec "$here/llama-bench" "$@"
 EOF
+sed -i "s/@MAJOR@/$CUDA_MAJOR/g" "$STAGE/run-llama-bench.sh"
 chmod +x "$STAGE/run-llama-bench.sh" "$STAGE/llama-bench"
 
 GLIBC_MAX=$(objdump -T "$STAGE/llama-bench" | grep -oE 'GLIBC_[0-9.]+' | sort -uV | tail -1)
@@ -194,10 +222,10 @@ GLIBC_MAX=$(objdump -T "$STAGE/llama-bench" | grep -oE 'GLIBC_[0-9.]+' | sort -u
     echo "llama.cpp:     build b$LLAMA_BUILD, commit $LLAMA_COMMIT (from llama-cpp-python's CHANGELOG; the sdist has no git metadata)"
     echo "llama-bench:   version $LLAMA_VERSION, build-info.cpp: $(grep -oE '(LLAMA_BUILD_NUMBER|LLAMA_COMMIT|LLAMA_COMPILER|LLAMA_BUILD_TARGET) = [^;]*' "$BUILD/common/build-info.cpp" | paste -sd' ')"
     echo "nvcc:          $("$CUDA_HOME/bin/nvcc" --version | tail -2 | paste -sd' ')"
-    echo "host compiler: $(gcc --version | head -1); libstdc++ and libgcc linked statically"
-    echo "cuBLAS:        $CUBLAS_FROM (linked dynamically: libcublas.so.13)"
+    echo "host compiler: $(gcc --version | head -1); libstdc++ linked statically"
+    echo "cuBLAS:        $CUBLAS_FROM (linked dynamically: libcublas.so.$CUDA_MAJOR)"
     echo "CUDA arch:     $CMAKE_ARCH; FlashAttention KV types: $FA_QUANTS; CUDA graphs on; NCCL off"
-    echo "needs:         glibc >= ${GLIBC_MAX#GLIBC_}; $(ldd "$STAGE/llama-bench" | awk '{print $1}' | grep -E 'cuda|cublas|gomp' | paste -sd' ')"
+    echo "needs:         glibc >= ${GLIBC_MAX#GLIBC_}; $NEEDED"
     echo "cmake options:"
     printf '    %s\n' "${CMAKE_ARGS[@]}"
 } > "$STAGE/BUILD-INFO.txt"

@@ -55,14 +55,12 @@ from cmpchat.cuda.launch import Launch, check_array
 # 8 warps on a GPU (the sum of squares' order assumes 256 threads); the simulator runs 2-warp blocks.
 WARPS_PER_BLOCK = 2 if SIMULATOR else 8
 BLOCK_THREADS = WARPS_PER_BLOCK * WARP_SIZE
-BLOCKS_PER_SM = 2
-"""Resident blocks per SM the grid is sized for (about 110 registers per thread allow 2 of 256 threads)."""
-LOAD_ROUNDS = 6
-"""Rounds of 16-byte loads (256 threads x 4 values each) the prologue issues before using them; a row to
-normalise must fit in one such batch (6144 columns; Qwen3.5's widest hidden size is 5120)."""
+BLOCKS_PER_SM = 3
+"""Resident blocks per SM the grid is sized for (registers allow 3 blocks of 256 threads at T=1)."""
+LOAD_ROUNDS = 4
+"""Rounds of 16-byte loads the prologue issues before using them."""
 LOAD_VALUES = 4 * LOAD_ROUNDS  # a plain constant: Numba needs literal local-array sizes
 ITERATION_WORDS = UNROLL * STEP_WORDS
-NORM_COLUMNS = LOAD_ROUNDS * BLOCK_THREADS * VALUES_PER_WORD
 MAX_COLUMNS = 40960
 """Widest input: its staged form must fit the 48 KB of dynamic shared memory a launch gets by default."""
 
@@ -78,76 +76,29 @@ def staged_index(word):
     return (word & ~(STEP_WORDS - 1)) + (offset >> 2) + ((offset & 3) << 5)
 
 
-@cuda.jit(device=True, inline=True)
-def load_iteration(wq, ws, quants_a, quants_b, scales_a, scales_b, step, lane, words):
-    """One 256-word iteration of two weight rows for this lane: 4 x 16 bytes and 4 scales (zeros past the end)."""
-    k0 = step + 4 * lane
-    k1 = k0 + STEP_WORDS
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
-    c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = uint32(0)
-    sa0 = sb0 = sa1 = sb1 = float32(0.0)
-    if k0 < words:
-        a0, a1, a2, a3 = load_u32x4(wq, uint64(quants_a + k0))
-        b0, b1, b2, b3 = load_u32x4(wq, uint64(quants_b + k0))
-        sa0 = float32(ws[uint64(scales_a + (k0 >> 3))])
-        sb0 = float32(ws[uint64(scales_b + (k0 >> 3))])
-    if k1 < words:
-        c0, c1, c2, c3 = load_u32x4(wq, uint64(quants_a + k1))
-        d0, d1, d2, d3 = load_u32x4(wq, uint64(quants_b + k1))
-        sa1 = float32(ws[uint64(scales_a + (k1 >> 3))])
-        sb1 = float32(ws[uint64(scales_b + (k1 >> 3))])
-    return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3), (sa0, sb0, sa1, sb1)
-
-
-@cuda.jit(device=True, inline=True)
-def stage_word(stage_q, stage_s, word, padded, v0, v1, v2, v3):
-    """Quantise four values (8 neighbouring lanes hold one block) into the staged row."""
-    amax = block_amax(v0, v1, v2, v3)  # every thread takes part (the simulator's shuffle is a barrier)
-    packed, scale = quantize_word(v0, v1, v2, v3, amax)
-    if word < padded:  # padding words quantise zeros: quants 0, scale 0
-        stage_q[uint64(staged_index(word))] = packed
-        if (word & 7) == 0:
-            stage_s[uint64(word >> 3)] = scale
-
-
 @kernel(GEMV_FUSED_SIGNATURE)
 def gemv_q8_fused(wq, ws, x, norm_weight, y, rows, words, mode, eps, use_norm):
     tid = cuda.threadIdx.x
     lane = tid & (WARP_SIZE - 1)
-    blocks = words >> 3
-    pairs = rows >> 1 if mode == MODE_SWIGLU else (rows + 1) >> 1
-    all_warps = cuda.gridDim.x * WARPS_PER_BLOCK
-
-    # The first iteration of this warp's first row pair is loaded before anything else, so DRAM is busy
-    # while the block prepares its input (the prologue is a chain of L2 round trips and barriers).
-    pair = cuda.blockIdx.x * WARPS_PER_BLOCK + (tid >> 5)
-    row_a, row_b, out_rows = pair_rows(pair, rows, mode)
-    quants_a = min(row_a, rows - 1) * words
-    quants_b = min(row_b, rows - 1) * words
-    scales_a = min(row_a, rows - 1) * blocks
-    scales_b = min(row_b, rows - 1) * blocks
-    current, current_scales = load_iteration(wq, ws, quants_a, quants_b, scales_a, scales_b, 0, lane, words)
-
     padded = (words + ITERATION_WORDS - 1) // ITERATION_WORDS * ITERATION_WORDS
     stage_q = cuda.shared.array(0, uint32)
     stage_s = cuda.shared.array(0, float32)[padded:]  # after the quants (dynamic shared arrays alias)
     values = cuda.local.array(LOAD_VALUES, float32)
     weights = cuda.local.array(LOAD_VALUES, float32)
     rounds = (padded + BLOCK_THREADS - 1) // BLOCK_THREADS  # the same for every thread
+
+    factor = float32(1.0)
     if use_norm != 0:
-        # One pass (the launcher keeps normalised rows within LOAD_ROUNDS rounds): load x and the norm
-        # weight, sum the squares in rms_norm_quantize's order, then normalise and quantise from registers.
-        for u in range(LOAD_ROUNDS):
-            word = u * BLOCK_THREADS + tid
-            v0 = v1 = v2 = v3 = w0 = w1 = w2 = w3 = float32(0.0)
-            if word < words:
-                v0, v1, v2, v3 = load_f32x4(x, uint64(4 * word))
-                w0, w1, w2, w3 = load_f32x4(norm_weight, uint64(4 * word))
-            values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3] = v0, v1, v2, v3
-            weights[4 * u], weights[4 * u + 1], weights[4 * u + 2], weights[4 * u + 3] = w0, w1, w2, w3
         partial = float32(0.0)
-        for i in range(LOAD_VALUES):
-            partial += values[i] * values[i]  # adding the zeros of dead words changes nothing
+        for first in range(0, rounds, LOAD_ROUNDS):
+            for u in range(LOAD_ROUNDS):
+                word = (first + u) * BLOCK_THREADS + tid
+                v0 = v1 = v2 = v3 = float32(0.0)
+                if word < words:
+                    v0, v1, v2, v3 = load_f32x4(x, uint64(4 * word))
+                values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3] = v0, v1, v2, v3
+            for i in range(LOAD_VALUES):
+                partial += values[i] * values[i]  # adding the zeros of dead words changes nothing
         totals = cuda.shared.array(WARPS_PER_BLOCK, float32)
         warp_total = warp_sum_f32(partial)
         if lane == 0:
@@ -157,49 +108,65 @@ def gemv_q8_fused(wq, ws, x, norm_weight, y, rows, words, mode, eps, use_norm):
         for w in range(WARPS_PER_BLOCK):
             total += totals[w]
         factor = float32(1.0) / math.sqrt(total / float32(4 * words) + eps)
+
+    for first in range(0, rounds, LOAD_ROUNDS):
         for u in range(LOAD_ROUNDS):
-            # (x * factor) * weight: rms_norm_quantize's order
-            stage_word(
-                stage_q, stage_s, u * BLOCK_THREADS + tid, padded,
-                values[4 * u] * factor * weights[4 * u], values[4 * u + 1] * factor * weights[4 * u + 1],
-                values[4 * u + 2] * factor * weights[4 * u + 2], values[4 * u + 3] * factor * weights[4 * u + 3],
-            )  # fmt: skip
-    else:
-        for first in range(0, rounds, LOAD_ROUNDS):
-            for u in range(LOAD_ROUNDS):
-                word = (first + u) * BLOCK_THREADS + tid
-                v0 = v1 = v2 = v3 = float32(0.0)
-                if word < words:
-                    v0, v1, v2, v3 = load_f32x4(x, uint64(4 * word))
-                values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3] = v0, v1, v2, v3
-            for u in range(LOAD_ROUNDS):
-                stage_word(
-                    stage_q, stage_s, (first + u) * BLOCK_THREADS + tid, padded,
-                    values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3],
-                )  # fmt: skip
+            word = (first + u) * BLOCK_THREADS + tid
+            v0 = v1 = v2 = v3 = float32(0.0)
+            w0 = w1 = w2 = w3 = float32(0.0)
+            if word < words:
+                v0, v1, v2, v3 = load_f32x4(x, uint64(4 * word))
+                if use_norm != 0:
+                    w0, w1, w2, w3 = load_f32x4(norm_weight, uint64(4 * word))
+            values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3] = v0, v1, v2, v3
+            weights[4 * u], weights[4 * u + 1], weights[4 * u + 2], weights[4 * u + 3] = w0, w1, w2, w3
+        for u in range(LOAD_ROUNDS):
+            word = (first + u) * BLOCK_THREADS + tid
+            v0, v1, v2, v3 = values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3]
+            if use_norm != 0:  # the order of rms_norm_quantize: (x * factor) * weight
+                v0 = v0 * factor * weights[4 * u]
+                v1 = v1 * factor * weights[4 * u + 1]
+                v2 = v2 * factor * weights[4 * u + 2]
+                v3 = v3 * factor * weights[4 * u + 3]
+            amax = block_amax(v0, v1, v2, v3)  # every thread takes part (the simulator's shuffle is a barrier)
+            packed, scale = quantize_word(v0, v1, v2, v3, amax)
+            if word < padded:  # padding words quantise zeros: quants 0, scale 0
+                stage_q[uint64(staged_index(word))] = packed
+                if (word & 7) == 0:
+                    stage_s[uint64(word >> 3)] = scale
     cuda.syncthreads()
 
     # Row pairs in grid-stride order; every warp of a block runs the same number of iterations (dead pairs
-    # read a live row and store nothing), as the simulator's block-wide shuffles need. Within a pair the
-    # next iteration's loads are issued before the current one is used: 8 x 16 bytes in flight per lane.
+    # read a live row and store nothing), as the simulator's block-wide shuffles need.
+    pairs = rows >> 1 if mode == MODE_SWIGLU else (rows + 1) >> 1
+    all_warps = cuda.gridDim.x * WARPS_PER_BLOCK
+    blocks = words >> 3
     acc = cuda.local.array(2, float32)
     for first_pair in range(cuda.blockIdx.x * WARPS_PER_BLOCK, pairs, all_warps):
-        if first_pair != cuda.blockIdx.x * WARPS_PER_BLOCK:
-            pair = first_pair + (tid >> 5)
-            row_a, row_b, out_rows = pair_rows(pair, rows, mode)
-            quants_a = min(row_a, rows - 1) * words
-            quants_b = min(row_b, rows - 1) * words
-            scales_a = min(row_a, rows - 1) * blocks
-            scales_b = min(row_b, rows - 1) * blocks
-            current, current_scales = load_iteration(wq, ws, quants_a, quants_b, scales_a, scales_b, 0, lane, words)
+        pair = first_pair + (tid >> 5)
+        row_a, row_b, out_rows = pair_rows(pair, rows, mode)
         live_a = row_a < out_rows if mode == MODE_SWIGLU else row_a < rows
+        quants_a = min(row_a, rows - 1) * words
+        quants_b = min(row_b, rows - 1) * words
+        scales_a = min(row_a, rows - 1) * blocks
+        scales_b = min(row_b, rows - 1) * blocks
         acc[0] = acc[1] = float32(0.0)
         for step in range(0, words, ITERATION_WORDS):
-            following, following_scales = load_iteration(
-                wq, ws, quants_a, quants_b, scales_a, scales_b, step + ITERATION_WORDS, lane, words
-            )
-            a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3 = current
-            sa0, sb0, sa1, sb1 = current_scales
+            k0 = step + 4 * lane
+            k1 = k0 + STEP_WORDS
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = uint32(0)
+            c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = uint32(0)
+            sa0 = sb0 = sa1 = sb1 = float32(0.0)
+            if k0 < words:
+                a0, a1, a2, a3 = load_u32x4(wq, uint64(quants_a + k0))
+                b0, b1, b2, b3 = load_u32x4(wq, uint64(quants_b + k0))
+                sa0 = float32(ws[uint64(scales_a + (k0 >> 3))])
+                sb0 = float32(ws[uint64(scales_b + (k0 >> 3))])
+            if k1 < words:
+                c0, c1, c2, c3 = load_u32x4(wq, uint64(quants_a + k1))
+                d0, d1, d2, d3 = load_u32x4(wq, uint64(quants_b + k1))
+                sa1 = float32(ws[uint64(scales_a + (k1 >> 3))])
+                sb1 = float32(ws[uint64(scales_b + (k1 >> 3))])
             q = uint64(step + lane)
             s = uint64((step + 4 * lane) >> 3)
             x0, x1, x2, x3 = stage_q[q], stage_q[q + U32], stage_q[q + U64], stage_q[q + U96]
@@ -215,7 +182,6 @@ def gemv_q8_fused(wq, ws, x, norm_weight, y, rows, words, mode, eps, use_norm):
             dot_b = dp4a(d3, x3, dp4a(d2, x2, dp4a(d1, x1, dp4a(d0, x0, 0))))
             acc[0] += float32(dot_a) * (sa1 * xs1)
             acc[1] += float32(dot_b) * (sb1 * xs1)
-            current, current_scales = following, following_scales
 
         # gemv.py's reduce-scatter at T=1: after it, lanes 0-15 hold row a's sum and lanes 16-31 row b's.
         fold(acc, lane, 16, 2)
@@ -270,8 +236,6 @@ def gemv_q8_fused_launch(
     code = check_mode(mode, rows)
     check_array(out, "out", np.float32, 2, output_shape(rows, 1, mode))
     if norm_weight is not None:
-        if cols > NORM_COLUMNS:
-            raise ValueError(f"the fused RMSNorm takes rows of up to {NORM_COLUMNS} columns, got {cols}")
         check_array(norm_weight, "norm weight", np.float32, 1, (cols,))
         check_aligned(norm_weight, "norm weight")
     for array, name in ((weight_quants, "weight quants"), (x, "x")):
