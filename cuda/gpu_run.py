@@ -3,8 +3,8 @@
 Phases, each timed: the environment (versions, GPU), the GPU self-test (tests/cuda/test_gpu_selftest.py:
 intrinsics, raw launch, graph replay; if it fails nothing else runs), then every test module that has GPU
 tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in full and bench modes the
-benchmarks (`cmpchat bench decode` on the 9B and 27B shapes, with llama.cpp when `.llama.cpp/` holds a
-build from cuda/build_llama_cpp.sh, and the GEMV micro-benchmark), whose JSON lands beside the summary.
+benchmarks (`cmpchat bench decode` on the 9B and 27B shapes, with llama.cpp when the archive that
+cuda/build_llama_cpp.sh packs is carried, and the GEMV micro-benchmark), whose JSON lands beside the summary.
 
 Results go to the results folder: log.txt (written by gpu_run.sh), selftest.xml and tests.xml (JUnit,
 with the properties tests record, e.g. launch overheads), summary.json and summary.txt, so a later session
@@ -30,7 +30,7 @@ SELFTEST = "tests/cuda/test_gpu_selftest.py"
 PACKAGES = ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "gguf", "pytest", "torch")
 MARKERS = {"quick": "gpu and not slow", "full": "gpu"}
 BENCH_FOLDER = "/tmp/cmpchat-bench"  # benchmark model files (tens of GB): built once per machine
-LLAMA_BENCH = REPO / ".llama.cpp" / "run-llama-bench.sh"
+LLAMA_ARCHIVE = REPO / ".llama.cpp" / "llama-bench-sm90.tar.xz"  # from cuda/build_llama_cpp.sh, carried
 GPU_MARK = re.compile(r"(pytest\.)?mark\.gpu\b")
 
 
@@ -75,8 +75,9 @@ def run_pytest(files: list[str], marker: str, junit: Path, timeout: int, extra: 
 def run_benchmarks(results: Path, deadline: float, shapes: list[str]) -> dict:
     decode = [sys.executable, "-m", "cmpchat", "bench", "decode", *shapes, "--folder", BENCH_FOLDER,
               "--json", str(results / "bench_decode.json")]  # fmt: skip
-    if LLAMA_BENCH.exists():
-        decode += ["--llama-bench", str(LLAMA_BENCH)]
+    if LLAMA_ARCHIVE.exists():
+        subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
+        decode += ["--llama-bench", "/tmp/llama-bench-sm90/run-llama-bench.sh"]
     commands = {
         "decode": decode,
         "gemv": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *[s for s in shapes if s in ("9B", "27B")],
