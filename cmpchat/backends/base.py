@@ -57,6 +57,10 @@ class Backend(ABC):
         """Logits as a host array (a copy from the GPU on GPU backends: 1 MB per row, so only when asked)."""
         return np.asarray(logits)
 
+    def describe(self) -> list[str]:
+        """Lines for the user about where the model runs (a GPU backend: the card and its memory plan)."""
+        return []
+
     def release(self, sequence: Any) -> None:  # noqa: B027 (optional hook)
         """Give back what the sequence holds. The reference backend holds nothing outside the object."""
 

@@ -43,9 +43,6 @@ def open_from_args(args: argparse.Namespace, *, sequences: int = 1) -> Model:
         progress.close()
     if model.is_demo:
         print(f"note: {DEMO_NOTICE}", file=sys.stderr)
-    plan = getattr(model.backend, "plan", None)
-    if plan is not None:
-        print(f"GPU {model.backend.gpu.name}: memory plan", file=sys.stderr)
-        for line in plan.describe():
-            print(f"  {line}", file=sys.stderr)
+    for line in model.backend.describe():
+        print(line, file=sys.stderr)
     return model

@@ -107,6 +107,9 @@ class CudaBackend(Backend):
     def context_per_sequence(self) -> int:
         return self.states.page_tokens
 
+    def describe(self) -> list[str]:
+        return [f"GPU {self.gpu.name}: memory plan", *(f"  {line}" for line in self.plan.describe())]
+
     # -- sequences ----------------------------------------------------------------------------------------
 
     def new_sequence(self) -> CudaSequence:
