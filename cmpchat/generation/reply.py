@@ -32,6 +32,9 @@ class GenerationOptions:
     """Strings that end the reply where they appear; they are not included in it."""
     prefill_chunk: int = 512
     """Prompt tokens per prefill call; progress is reported after each."""
+    raw_text: bool = False
+    """Return the generated text as it is (plain completions) instead of parsing `<think>` blocks and tool
+    calls out of it (chat replies)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -76,7 +79,7 @@ class Reply:
         self._end_tokens = tokenizer.eos_token_ids
         self._decoder = tokenizer.stream_decoder()
         self._stopper = StopStringMatcher(options.stop)
-        self._parser = OutputParser(starts_in_reasoning, tools=tools)
+        self._parser = RawText() if options.raw_text else OutputParser(starts_in_reasoning, tools=tools)
 
     @property
     def done(self) -> bool:
@@ -122,3 +125,13 @@ class Reply:
             elif isinstance(event, ToolCallEvent):
                 self.tool_calls.append(event)
         return events
+
+
+class RawText:
+    """The parser of `raw_text` replies: every piece of text is content, verbatim."""
+
+    def feed(self, text: str) -> list[Event]:
+        return [ContentDelta(text)] if text else []
+
+    def finish(self) -> list[Event]:
+        return []

@@ -5,6 +5,7 @@ Everything a client can get wrong ends here as a 400 with a message that names t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,7 +92,8 @@ def prepare_completion(body: CompletionRequest, model: Model, settings: ServerSe
     tokens = _completion_prompt(body.prompt, model)
     _check_context(tokens, model)
     limit = body.max_tokens or settings.default_completion_max_tokens
-    generation = GenerationRequest(tuple(tokens), _options(body, settings, limit))
+    options = dataclasses.replace(_options(body, settings, limit), raw_text=True)  # completions return text as is
+    generation = GenerationRequest(tuple(tokens), options)
     return PreparedRequest(generation, body.stream, _include_usage(body))
 
 

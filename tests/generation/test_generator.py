@@ -121,6 +121,13 @@ def test_reasoning_then_tool_call(tiny):
     assert finished.reason == "tool_calls"
 
 
+def test_raw_text_keeps_tags_as_content(tiny):
+    reply = "<think>plan</think> answer <tool_call>\n<function=get>\n</function>\n</tool_call>"
+    events, finished = run(scripted(tiny, reply), GenerationOptions(raw_text=True), starts_in_reasoning=True)
+    assert text_of(events, ContentDelta) == reply == finished.content
+    assert finished.reasoning == "" and finished.tool_calls == () and finished.reason == "stop"
+
+
 def test_prefill_runs_in_chunks_with_progress(tiny):
     generator = scripted(tiny, "x")
     events, _ = run(generator, GenerationOptions(prefill_chunk=4), prompt=range(1, 11))
