@@ -78,10 +78,11 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str]) -> dict:
     if LLAMA_ARCHIVE.exists():
         subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
         decode += ["--llama-bench", "/tmp/llama-bench-sm90/run-llama-bench.sh"]
+    gemv_shapes = [s for s in shapes if s in ("9B", "27B")]
     commands = {
         "decode": decode,
-        "gemv": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *[s for s in shapes if s in ("9B", "27B")],
-                 "--tokens", "1", "4", "16"],  # fmt: skip
+        "gemv": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *gemv_shapes, "--tokens", "1", "4", "16"],
+        "gemv_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *gemv_shapes, "--sweep"],
     }
     return {name: _timed(command, timeout=max(deadline - time.monotonic(), 1)) for name, command in commands.items()}
 

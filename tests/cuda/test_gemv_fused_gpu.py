@@ -8,7 +8,7 @@ import pytest
 
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch
 from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES
-from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch
+from cmpchat.cuda.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, gemv_q8_fused_launch
 from cmpchat.cuda.kernels.quantize import quantize_launch, rms_norm_quantize_launch
 
 pytestmark = pytest.mark.gpu
@@ -21,6 +21,17 @@ SHAPES = [(model, *shape) for model, shapes in QWEN_GEMV_SHAPES.items() for shap
 def test_fused_equals_the_unfused_launches(
     model: str, name: str, rows: int, cols: int, mode: str, normed: bool
 ) -> None:
+    check_fused_equals_unfused(rows, cols, mode, normed, FusedGemvTiling())
+
+
+@pytest.mark.parametrize("steps", STEP_CHOICES)
+@pytest.mark.parametrize("blocks_per_sm", [2, 8])
+def test_every_tiling_gives_the_same_bits(steps: int, blocks_per_sm: int) -> None:
+    check_fused_equals_unfused(5120, 17408, "accumulate", False, FusedGemvTiling(steps, blocks_per_sm))
+    check_fused_equals_unfused(2 * 17408, 5120, "swiglu", True, FusedGemvTiling(steps, blocks_per_sm))
+
+
+def check_fused_equals_unfused(rows: int, cols: int, mode: str, normed: bool, tiling: FusedGemvTiling) -> None:
     from numba import cuda
 
     rng = np.random.default_rng(rows + cols)
@@ -41,5 +52,7 @@ def test_fused_equals_the_unfused_launches(
     fused = cuda.to_device(start)
     sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
     norm = weight if normed else None
-    gemv_q8_fused_launch(quants, scales, x, fused, mode=mode, norm_weight=norm, eps=1e-6, sm_count=sm_count).run()
+    gemv_q8_fused_launch(
+        quants, scales, x, fused, mode=mode, norm_weight=norm, eps=1e-6, sm_count=sm_count, tiling=tiling
+    ).run()
     np.testing.assert_array_equal(fused.copy_to_host(), unfused.copy_to_host())

@@ -12,7 +12,13 @@ from test_gemv_sim import assert_close, expected_product, random_q8
 
 from cmpchat.backends.reference.layers import silu
 from cmpchat.cuda.kernels.gemv import repack_q8_0
-from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch, shared_bytes
+from cmpchat.cuda.kernels.gemv_fused import (
+    DEFAULT_TILING,
+    STEP_CHOICES,
+    FusedGemvTiling,
+    gemv_q8_fused_launch,
+    shared_bytes,
+)
 from cmpchat.model.quant import quantize_activations
 
 EPS = 1e-6
@@ -24,12 +30,20 @@ def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return (x * factor * weight).astype(np.float32)
 
 
-def run_fused(raw, rows, cols, x, mode="store", out=None, norm_weight=None, sm_count=1):
+def run_fused(raw, rows, cols, x, mode="store", out=None, norm_weight=None, sm_count=1, tiling=DEFAULT_TILING):
     weight_quants, weight_scales = repack_q8_0(raw, rows, cols)
     if out is None:
         out = np.zeros((1, rows // 2 if mode == "swiglu" else rows), np.float32)
     launch = gemv_q8_fused_launch(
-        weight_quants, weight_scales, x, out, mode=mode, norm_weight=norm_weight, eps=EPS, sm_count=sm_count
+        weight_quants,
+        weight_scales,
+        x,
+        out,
+        mode=mode,
+        norm_weight=norm_weight,
+        eps=EPS,
+        sm_count=sm_count,
+        tiling=tiling,
     )
     launch.run()
     return out
@@ -42,6 +56,17 @@ def test_quantises_then_multiplies_like_the_reference(rows: int, cols: int) -> N
     x = rng.standard_normal((1, cols)).astype(np.float32)
     expected, magnitude = expected_product(raw, rows, cols, x)
     assert_close(run_fused(raw, rows, cols, x), expected, magnitude)
+
+
+@pytest.mark.parametrize("steps", STEP_CHOICES)
+def test_every_compiled_variant_gives_the_same_bits(steps: int) -> None:
+    rng = np.random.default_rng(6)
+    rows, cols = 9, 1312  # a row tail inside every variant's iteration
+    raw = random_q8(rng, rows, cols)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    default = run_fused(raw, rows, cols, x)
+    variant = run_fused(raw, rows, cols, x, tiling=FusedGemvTiling(steps=steps, blocks_per_sm=2))
+    np.testing.assert_array_equal(variant, default)
 
 
 def test_normalises_before_quantising() -> None:
@@ -93,3 +118,6 @@ def test_launcher_checks_shapes_and_sizes_shared_memory() -> None:
         )  # fmt: skip
     # 64 columns = 16 words, padded to one 256-word iteration: 1 KB of quants + 128 B of scales.
     assert shared_bytes(64) == 1024 + 128
+    assert shared_bytes(64, steps=4) == 2048 + 256
+    with pytest.raises(ValueError, match="steps must be one of"):
+        FusedGemvTiling(steps=3)

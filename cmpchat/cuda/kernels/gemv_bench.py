@@ -2,7 +2,9 @@
 
 `python -m cmpchat.cuda.kernels.gemv_bench [9B 27B] [--tokens 1 4 16]` prints, per shape, the time per
 launch and the bytes it must read divided by that time, next to the streaming-read bandwidth measured in
-the same run (`throughput_probes.streaming_read_bandwidth`, as `cmpchat doctor`), so the ratio carries over from the H200 to the CMP.
+the same run (`throughput_probes.streaming_read_bandwidth`, as `cmpchat doctor`), so the ratio carries
+over from the H200 to the CMP. `--sweep` times every one-token tiling (`FusedGemvTiling`) on every shape
+and names the fastest for a whole decode step: how the default is chosen.
 
 Timing: the launches are captured as a CUDA graph and CUDA events time back-to-back replays, so neither
 Numba's launch path (tens of µs per launch, longer than a small GEMV runs) nor L2 hits (each weight is
@@ -22,9 +24,10 @@ from cmpchat.cuda.compile import kernel
 from cmpchat.cuda.graph import LaunchGraph
 from cmpchat.cuda.intrinsics import load_u32x4
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
-from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch
+from cmpchat.cuda.kernels.gemv_fused import DEFAULT_TILING, STEP_CHOICES, FusedGemvTiling, gemv_q8_fused_launch
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK
 from cmpchat.cuda.launch import Launch
+from cmpchat.model.builder import MODEL_SHAPES
 
 # (name, rows, cols, mode) of every Q8_0 projection a decode step runs, with the fused layouts the
 # backend uses (QWEN35.md): q|k|v, GDN qkv|gate|beta|alpha, ffn gate|up (SwiGLU); residual adds accumulate.
@@ -113,34 +116,73 @@ def gemv_bytes_read(rows: int, cols: int, tokens: int, mode: str) -> int:
 
 def benchmark_gemv(
     rows: int, cols: int, tokens: int = 1, *, mode: str = "store", name: str = "", repeats: int = 30,
-    warmup: int = 3, seed: int = 0, cycle_bytes: int = 1 << 30,
+    warmup: int = 3, seed: int = 0, cycle_bytes: int = 1 << 30, tiling: FusedGemvTiling = DEFAULT_TILING,
 ) -> GemvTiming:  # fmt: skip
     """Time the Q8_0 GEMV a decode step runs for this shape (needs a GPU): at one token the fused kernel,
-    normalising its input unless it accumulates (as the step does), above that the batched kernel.
-
-    The launches cycle through copies of the weight totalling `cycle_bytes`, so each launch streams its
-    weight from DRAM as in a decode step instead of finding it in L2 (the H200's holds 50 MB).
-    """
-    rng = np.random.default_rng(seed)
-    copies = max(1, -(-cycle_bytes // weight_bytes(rows, cols)))
-    quants = rng.integers(-127, 128, (rows, cols), dtype=np.int8).view(np.uint32)
-    scales = (rng.random((rows, cols // QUANT_BLOCK)) * 0.01).astype(np.float16)
-    x = cuda.to_device(rng.standard_normal((tokens, cols)).astype(np.float32))
-    norm = None if mode == "accumulate" else cuda.to_device(np.ones(cols, np.float32))
-    x_quants = cuda.to_device(rng.integers(-127, 128, (tokens, cols), dtype=np.int8).view(np.uint32))
-    x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
-    out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
-    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    launches = []
-    for _ in range(copies):
-        weights = cuda.to_device(quants), cuda.to_device(scales)
-        if tokens == 1:
-            launch = gemv_q8_fused_launch(*weights, x, out, mode=mode, norm_weight=norm, eps=1e-6, sm_count=sm_count)
-        else:
-            launch = gemv_q8_launch(*weights, x_quants, x_scales, out, mode=mode)
-        launches.append(launch)
-    seconds = time_launches(launches, repeats, warmup) / copies
+    normalising its input unless it accumulates (as the step does), above that the batched kernel."""
+    problem = _DeviceProblem(rows, cols, tokens, mode, seed, cycle_bytes)
+    seconds = problem.time(tiling, repeats, warmup)
     return GemvTiming(name, rows, cols, tokens, mode, seconds, gemv_bytes_read(rows, cols, tokens, mode))
+
+
+class _DeviceProblem:
+    """Random operands on the GPU, the weight repeated in copies totalling `cycle_bytes`: the launches cycle
+    through them, so each launch streams its weight from DRAM as in a decode step instead of finding it in
+    L2 (the H200's holds 50 MB)."""
+
+    def __init__(self, rows: int, cols: int, tokens: int, mode: str, seed: int, cycle_bytes: int) -> None:
+        rng = np.random.default_rng(seed)
+        quants = rng.integers(-127, 128, (rows, cols), dtype=np.int8).view(np.uint32)
+        scales = (rng.random((rows, cols // QUANT_BLOCK)) * 0.01).astype(np.float16)
+        copies = max(1, -(-cycle_bytes // weight_bytes(rows, cols)))
+        self.weights = [(cuda.to_device(quants), cuda.to_device(scales)) for _ in range(copies)]
+        self.x = cuda.to_device(rng.standard_normal((tokens, cols)).astype(np.float32))
+        self.norm = None if mode == "accumulate" else cuda.to_device(np.ones(cols, np.float32))
+        self.x_quants = cuda.to_device(rng.integers(-127, 128, (tokens, cols), dtype=np.int8).view(np.uint32))
+        self.x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
+        self.out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
+        self.tokens, self.mode = tokens, mode
+
+    def time(self, tiling: FusedGemvTiling, repeats: int, warmup: int) -> float:
+        """Seconds per launch."""
+        sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+        launches = []
+        for quants, scales in self.weights:
+            if self.tokens == 1:
+                launch = gemv_q8_fused_launch(quants, scales, self.x, self.out, mode=self.mode, norm_weight=self.norm,
+                                              eps=1e-6, sm_count=sm_count, tiling=tiling)  # fmt: skip
+            else:
+                launch = gemv_q8_launch(quants, scales, self.x_quants, self.x_scales, self.out, mode=self.mode)
+            launches.append(launch)
+        return time_launches(launches, repeats, warmup) / len(launches)
+
+
+SWEEP_BLOCKS_PER_SM = (1, 2, 3, 4, 6, 8)
+
+
+def sweep_tilings(model: str, repeats: int, limit: float) -> None:
+    """Time every one-token tiling on every projection of `model` and print which is fastest for a whole step
+    (each shape weighted by how often a step runs it), so the default can be chosen by measurement."""
+    shape = MODEL_SHAPES[model]
+    attention = sum(shape.is_attention(i) for i in range(shape.num_layers))
+    runs = {"attn": attention, "gdn": shape.num_layers - attention, "ffn": shape.num_layers, "lm": 1}
+    tilings = [FusedGemvTiling(steps, blocks) for steps in STEP_CHOICES for blocks in SWEEP_BLOCKS_PER_SM]
+    per_step = dict.fromkeys(tilings, 0.0)
+    print(f"{model}: one-token tilings (steps, blocks per SM) -> µs per launch (% of the read bandwidth)")
+    for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
+        problem = _DeviceProblem(rows, cols, 1, mode, 0, 1 << 30)
+        nbytes = gemv_bytes_read(rows, cols, 1, mode)
+        times = {tiling: problem.time(tiling, repeats, 3) for tiling in tilings}
+        for tiling, seconds in times.items():
+            per_step[tiling] += runs[name.split()[0]] * seconds
+        best = min(times, key=times.__getitem__)
+        row = " ".join(f"{t.steps},{t.blocks_per_sm}:{times[t] * 1e6:.1f}" for t in tilings)
+        print(f"  {name:24} best {best.steps},{best.blocks_per_sm} "
+              f"{nbytes / times[best] / 1e9 / limit:6.1%} (default {nbytes / times[DEFAULT_TILING] / 1e9 / limit:6.1%})"
+              f"  {row}")  # fmt: skip
+    best = min(per_step, key=per_step.__getitem__)
+    print(f"  whole step: best steps={best.steps} blocks_per_sm={best.blocks_per_sm} {per_step[best] * 1e3:.3f} ms "
+          f"of GEMV per token; default {per_step[DEFAULT_TILING] * 1e3:.3f} ms")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,11 +190,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("models", nargs="*", default=list(QWEN_GEMV_SHAPES), choices=list(QWEN_GEMV_SHAPES))
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--sweep", action="store_true", help="time every one-token tiling instead")
     args = parser.parse_args(argv)
     from cmpchat.cuda.kernels.throughput_probes import streaming_read_bandwidth  # (it imports this module)
 
     limit = streaming_read_bandwidth() / 1e9
     print(f"streaming read: {limit:.0f} GB/s")
+    if args.sweep:
+        for model in args.models:
+            sweep_tilings(model, args.repeats, limit)
+        return
     print(f"{'model':5} {'shape':24} {'rows':>7} {'cols':>6} {'T':>3} {'mode':10} {'µs':>9} {'GB/s':>7} {'of read':>8}")
     for model in args.models:
         for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
