@@ -83,6 +83,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str]) -> dict:
         "decode": decode,
         "gemv": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *gemv_shapes, "--tokens", "1", "4", "16"],
         "gemv_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *gemv_shapes, "--sweep"],
+        "attention_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.attention_bench"],
     }
     return {name: _timed(command, timeout=max(deadline - time.monotonic(), 1)) for name, command in commands.items()}
 
