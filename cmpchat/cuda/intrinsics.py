@@ -88,16 +88,26 @@ else:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    @intrinsic
-    def dp4a(typingctx, a, b, c):
-        signature = int32(int32, int32, int32)
+    def _three_operand(ptx: str, value_type: types.Type, name: str) -> object:
+        """An intrinsic for the PTX instruction `ptx d, a, b, c` on 32-bit registers."""
 
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
-            return builder.call(asm, args)
+        def instruction(typingctx, a, b, c):
+            if not all(isinstance(operand, types.Integer) for operand in (a, b, c)):
+                return None
+            signature = value_type(value_type, value_type, value_type)
 
-        return signature, codegen
+            def codegen(context, builder, sig, args):
+                i32 = ir.IntType(32)
+                asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), f"{ptx} $0, $1, $2, $3;", "=r,r,r,r")
+                return builder.call(asm, args)
+
+            return signature, codegen
+
+        instruction.__name__ = instruction.__qualname__ = name
+        return intrinsic(instruction)
+
+    dp4a = _three_operand("dp4a.s32.s32", int32, "dp4a")
+    fma_f16x2 = _three_operand("fma.rn.f16x2", uint32, "fma_f16x2")
 
     _FULL_MASK = 0xFFFFFFFF
 
@@ -157,19 +167,6 @@ else:
             unpacked = builder.call(asm, args)
             values = [builder.extract_value(unpacked, i) for i in range(2)]
             return context.make_tuple(builder, sig.return_type, values)
-
-        return signature, codegen
-
-    @intrinsic
-    def fma_f16x2(typingctx, a, b, c):
-        if not all(isinstance(word, types.Integer) for word in (a, b, c)):
-            return None
-        signature = uint32(uint32, uint32, uint32)
-
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r")
-            return builder.call(asm, args)
 
         return signature, codegen
 
