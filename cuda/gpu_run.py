@@ -72,19 +72,23 @@ def run_pytest(files: list[str], marker: str, junit: Path, timeout: int, extra: 
     return _timed(command, timeout=max(deadline - time.monotonic(), 1))
 
 
-def run_benchmarks(results: Path, deadline: float, shapes: list[str]) -> dict:
-    decode = [sys.executable, "-m", "cmpchat", "bench", "decode", *shapes, "--folder", BENCH_FOLDER,
-              "--json", str(results / "bench_decode.json")]  # fmt: skip
-    if LLAMA_ARCHIVE.exists():
-        subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
-        decode += ["--llama-bench", "/tmp/llama-bench-sm90/run-llama-bench.sh"]
+def run_benchmarks(results: Path, deadline: float, shapes: list[str], sweep: bool) -> dict:
+    """The measurements (bench and full modes), or the tuning sweeps (sweep mode: each compiles and times
+    dozens of kernel variants, so they get a device call of their own)."""
     gemv_shapes = [s for s in shapes if s in ("9B", "27B")]
-    commands = {
-        "decode": decode,
-        "gemv": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *gemv_shapes, "--tokens", "1", "4", "16"],
-        "gemv_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *gemv_shapes, "--sweep"],
-        "attention_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.attention_bench"],
-    }
+    gemv = [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *gemv_shapes]
+    if sweep:
+        commands = {
+            "gemv_sweep": [*gemv, "--sweep"],
+            "attention_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.attention_bench"],
+        }
+    else:
+        decode = [sys.executable, "-m", "cmpchat", "bench", "decode", *shapes, "--folder", BENCH_FOLDER,
+                  "--json", str(results / "bench_decode.json")]  # fmt: skip
+        if LLAMA_ARCHIVE.exists():
+            subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
+            decode += ["--llama-bench", "/tmp/llama-bench-sm90/run-llama-bench.sh"]
+        commands = {"decode": decode, "gemv": [*gemv, "--tokens", "1", "4", "16"]}
     return {name: _timed(command, timeout=max(deadline - time.monotonic(), 1)) for name, command in commands.items()}
 
 
@@ -137,7 +141,7 @@ def format_summary(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the GPU tests (use cuda/gpu_run.sh).")
-    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench"], default="quick")
+    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench", "sweep"], default="quick")
     parser.add_argument("--shapes", nargs="+", default=["9B", "27B"], help="model shapes the benchmarks run")
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["phases"]["selftest"] = phase
     _write(summary, args.results)
     passed = phase["returncode"] == 0
-    if passed and args.mode != "bench":
+    if passed and args.mode not in ("bench", "sweep"):
         tests_xml = args.results / "tests.xml"
         files = gpu_test_files()
         print(f"\nGPU test modules: {' '.join(files)}", flush=True)
@@ -170,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["phases"]["gpu_tests"] = phase
         _write(summary, args.results)
         passed = phase["returncode"] in (0, 5)  # 5: no GPU tests selected (none written yet)
-    if passed and args.mode in ("full", "bench"):
-        summary["benchmarks"] = run_benchmarks(args.results, deadline, args.shapes)
+    if passed and args.mode in ("full", "bench", "sweep"):
+        summary["benchmarks"] = run_benchmarks(args.results, deadline, args.shapes, sweep=args.mode == "sweep")
         passed = all(b["returncode"] == 0 for b in summary["benchmarks"].values())
     if phase["returncode"] != 0 and "gpu_tests" not in summary["phases"]:
         print("\nself-test failed: the other GPU tests were not run", flush=True)

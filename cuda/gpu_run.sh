@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One command for a bare GPU machine: install the carried wheels, run the GPU self-test, then the GPU tests.
 #
-#   bash cuda/gpu_run.sh [quick|full] [--budget SECONDS] [--timeout SECONDS] [-- PYTEST ARGS...]
+#   bash cuda/gpu_run.sh [quick|full|bench|sweep] [--budget SECONDS] [--timeout SECONDS] [-- PYTEST ARGS...]
 #
 #   quick (default): the self-test, then `pytest -m "gpu and not slow"` over every test module with GPU tests
 #   full:            the self-test, `pytest -m gpu`, then the benchmarks (cmpchat bench decode, GEMV)
 #   bench:           the self-test, then the benchmarks only (add --shapes 9B 27B ... to choose)
+#   sweep:           the self-test, then the tuning sweeps (GEMV tilings, decode-attention tilings)
 #
 # Expects the repository as working directory's parent of cuda/ and, where packages are missing (the
 # device tool's H200 machine), their wheels in .whl/ (cuda/fetch_wheels.sh fetches them; name ".whl" in the
