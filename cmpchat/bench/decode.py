@@ -82,8 +82,8 @@ def run_decode(
                 limit=limit_tokens_per_second(read_bandwidth, bytes_.total),
                 step_seconds=seconds / tokens,
                 replay_seconds=profile.replay,
-                families=family_times(profile.names, profile.per_launch, family_bytes),
-                kernels=_by_kernel(profile.names, profile.per_launch),
+                families=family_times(profile.names, profile.attributed(), family_bytes),
+                kernels=_by_kernel(profile.names, profile.attributed()),
             )
         )
         _release(backend, sequences)

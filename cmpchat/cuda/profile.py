@@ -2,8 +2,9 @@
 
 The launches are captured into a graph with an event-record node between every two kernels, so a replay
 runs them back to back as the engine's own graph does, and the events time each kernel where it runs.
-An event node costs about a microsecond of its own, so the per-launch figures add up to a little more than
-a plain replay; `profile_launches` returns both (the plain replay's time is the one to report as speed).
+An event node costs a microsecond or two of its own, so the per-launch figures add up to more than a plain
+replay; `profile_launches` returns both, and `attributed()` spreads the difference evenly back out, so the
+per-launch figures add up to the replay (the plain replay's time is the one to report as speed).
 
     timings = profile_launches(launches, stream, replays=20)
     timings.per_launch   # seconds, one per launch (median over replays)
@@ -37,6 +38,12 @@ class LaunchTimings:
     """Seconds each launch ran (median over replays), measured between event nodes."""
     replay: float
     """Seconds of one replay of the whole list as a plain graph (median over replays)."""
+
+    def attributed(self) -> tuple[float, ...]:
+        """Per-launch seconds that add up to the plain replay: the event nodes' own cost, spread evenly
+        (their total is the timed sum minus the replay), taken off each launch."""
+        excess = (sum(self.per_launch) - self.replay) / max(len(self.per_launch), 1)
+        return tuple(max(seconds - excess, 0.0) for seconds in self.per_launch)
 
 
 def profile_launches(launches: Sequence[Launch | RawLaunch], stream: Any, replays: int = 20) -> LaunchTimings:

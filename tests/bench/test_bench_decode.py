@@ -130,3 +130,12 @@ def test_bench_without_a_gpu_says_so_in_one_line(capsys: pytest.CaptureFixture[s
     assert main(["bench", "decode", "9B"]) == 1
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "needs an NVIDIA GPU" in error
+
+
+def test_profile_attribution_adds_up_to_the_replay() -> None:
+    from cmpchat.cuda.profile import LaunchTimings
+
+    timings = LaunchTimings(names=("a", "b", "c"), per_launch=(5e-6, 3e-6, 1e-6), replay=6e-6)
+    attributed = timings.attributed()
+    assert attributed == pytest.approx((4e-6, 2e-6, 0.0))  # 1 µs of timer per launch taken off
+    assert sum(attributed) == pytest.approx(timings.replay)
