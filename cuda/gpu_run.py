@@ -88,7 +88,9 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], sweep: boo
         if LLAMA_ARCHIVE.exists():
             subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
             decode += ["--llama-bench", "/tmp/llama-bench-sm90/run-llama-bench.sh"]
-        commands = {"decode": decode, "gemv": [*gemv, "--tokens", "1", "4", "16"]}
+        app_speed = [sys.executable, "tests/tui/speed_check.py", "--model", "0.8B", "--folder", BENCH_FOLDER,
+                     "--rounds", "2", "--tokens", "1000"]  # fmt: skip
+        commands = {"decode": decode, "gemv": [*gemv, "--tokens", "1", "4", "16"], "app_speed": app_speed}
     return {name: _timed(command, timeout=max(deadline - time.monotonic(), 1)) for name, command in commands.items()}
 
 

@@ -160,12 +160,19 @@ def _wait(condition, timeout: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="GGUF file (default: the demo model)")
+    parser.add_argument("--model", help="GGUF file or a released size such as 0.8B (a benchmark file, built "
+                        "once in --folder); default: the demo model")  # fmt: skip
+    parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "cmpchat-bench")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", default="160x48")
     args = parser.parse_args()
     size = tuple(int(v) for v in args.size.split("x"))
+    if args.model:
+        sys.path.insert(0, str(REPO))
+        from cmpchat.bench.model_files import bench_model_path
+
+        args.model = str(bench_model_path(args.model, args.folder))
     cli, app = [], []
     for round_ in range(args.rounds):
         cli.append(run_cli(args.model, args.tokens))
