@@ -47,16 +47,59 @@ class DecodeRun:
         return cmp_projection(self.ratio, self.bytes.total, self.batch)
 
 
+@dataclass(frozen=True)
+class BenchPhase:
+    """One load of the model: its sequence slots and context per slot, and the runs made on it."""
+
+    sequences: int
+    context: int
+    contexts: tuple[int, ...]
+    """Batch-1 runs, one per context."""
+    batches: tuple[int, ...]
+    """Batched runs, at `batch_context`."""
+    batch_context: int
+
+
+def plan_phases(
+    contexts: Sequence[int], batches: Sequence[int], margin: int, fits: Callable[[int, int], bool]
+) -> tuple[list[BenchPhase], list[str]]:
+    """The loads a benchmark needs, and a note for each run that does not fit on this GPU.
+
+    `fits(sequences, context)` says whether that many slots of that context fit beside the weights. One load
+    serves everything when it all fits (a big GPU); otherwise one load with a single slot for the contexts
+    and one with many short slots for the batches (a 16 GB card holds a 9B model and one 32K context, or 16
+    short ones, not both).
+    """
+    batch_context = contexts[0]
+    every = max([1, *batches])
+    longest = max(contexts) + margin
+    if fits(every, longest):
+        return [BenchPhase(every, longest, tuple(contexts), tuple(batches), batch_context)], []
+    notes = []
+    phases = []
+    single = [c for c in contexts if fits(1, c + margin)]
+    notes += [f"context {c} does not fit on this GPU beside the weights; skipped" for c in contexts if c not in single]
+    if single:
+        phases.append(BenchPhase(1, max(single) + margin, tuple(single), (), batch_context))
+    many = [b for b in batches if fits(b, batch_context + margin)]
+    notes += [
+        f"{b} sequences of {batch_context} tokens do not fit on this GPU; skipped" for b in batches if b not in many
+    ]
+    if many:
+        phases.append(BenchPhase(max(many), batch_context + margin, (), tuple(many), batch_context))
+    return phases, notes
+
+
 def run_decode(
     backend: object,
     weights: int,
     read_bandwidth: float,
-    contexts: Sequence[int],
-    batches: Sequence[int],
+    phase: BenchPhase,
     tokens: int,
     say: Callable[[str], None] = print,
 ) -> list[DecodeRun]:
-    """Batch-1 runs at each context (profiled), then batched runs at the first context."""
+    """The phase's batch-1 runs, one per context (profiled), then its batched runs."""
+    contexts, batches = phase.contexts, phase.batches
     from cmpchat.cuda.profile import profile_launches
 
     config = backend.config
@@ -88,7 +131,7 @@ def run_decode(
         )
         _release(backend, sequences)
     for batch in batches:
-        context = contexts[0]
+        context = phase.batch_context
         say(f"  decoding {tokens} steps of {batch} sequences at context {context}")
         sequences = _sequences_at(backend, batch, context)
         seconds = _time_steps(backend, sequences, tokens)

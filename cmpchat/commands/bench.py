@@ -55,7 +55,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
 
 def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> object:
     from cmpchat.backends.cuda.model import CudaBackend
-    from cmpchat.bench.decode import WARMUP_STEPS, run_decode
+    from cmpchat.bench.decode import WARMUP_STEPS, plan_phases, run_decode
     from cmpchat.bench.limits import weight_bytes_per_step
     from cmpchat.bench.llama_cpp import decode_command, run_llama_bench
     from cmpchat.bench.report import DecodeReport, format_decode
@@ -66,27 +66,46 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> object:
     progress = StderrProgress()
     try:
         path = bench_model_path(name, folder, progress)
-        model_file = ModelFile(path)
-        config = ModelConfig.from_model_file(model_file)
-        context = max(args.contexts) + args.tokens + WARMUP_STEPS + 512  # + the attention tile rounding
-        backend = CudaBackend(model_file, config, sequences=max([1, *args.batches]), context=context, progress=progress)
     finally:
         progress.close()
-    say = _say
-    say(f"{path.name}: measuring streaming-read bandwidth")
+    model_file = ModelFile(path)
+    config = ModelConfig.from_model_file(model_file)
+    margin = args.tokens + WARMUP_STEPS + 512  # the timed steps, and the attention tile rounding
+
+    def fits(sequences: int, context: int) -> bool:
+        try:
+            plan = CudaBackend.memory_plan(model_file, config, sequences=sequences, context=context)
+        except CmpchatError:
+            return False
+        return plan.context_per_sequence >= context
+
+    phases, notes = plan_phases(args.contexts, args.batches, margin, fits)
+    for note in notes:
+        _say(f"{path.name}: {note}")
+    if not phases:
+        raise CmpchatError(f"{path.name}: none of the requested runs fits on this GPU")
+    _say(f"{path.name}: measuring streaming-read bandwidth")
     bandwidth = streaming_read_bandwidth()  # as `cmpchat doctor` measures it
-    runs = run_decode(backend, weight_bytes_per_step(model_file, config), bandwidth, args.contexts, args.batches,
-                      args.tokens, say)  # fmt: skip
-    gpu = backend.gpu.name
-    del backend
-    _free_gpu_memory()  # before llama.cpp loads the same weights
+    weights = weight_bytes_per_step(model_file, config)
+    runs = []
+    for phase in phases:
+        progress = StderrProgress()
+        try:
+            backend = CudaBackend(model_file, config, sequences=phase.sequences, context=phase.context,
+                                  progress=progress)  # fmt: skip
+        finally:
+            progress.close()
+        runs += run_decode(backend, weights, bandwidth, phase, args.tokens, _say)
+        gpu = backend.gpu.name
+        del backend
+        _free_gpu_memory()  # before the next load, or llama.cpp's
     llama = []
     if args.llama_bench:
-        say(f"  llama-bench tg{args.tokens} at contexts {args.contexts}")
+        _say(f"  llama-bench tg{args.tokens} at contexts {args.contexts}")
         try:
             llama = run_llama_bench(decode_command(args.llama_bench, path, args.contexts, args.tokens))
         except CmpchatError as error:  # our figures still stand; the comparison is missing, and says why
-            say(f"  no llama.cpp comparison: {error}")
+            _say(f"  no llama.cpp comparison: {error}")
     report = DecodeReport(path.name, gpu, bandwidth, runs, llama, shape=name if name in BENCH_SHAPES else None)
     print("\n".join(format_decode(report)), flush=True)
     return report

@@ -71,15 +71,9 @@ class CudaBackend(Backend):
         self.config = config or ModelConfig.from_model_file(model_file)
         self.use_graphs = use_graphs
         info = gpu_info(0)
-        largest = max(t.n_bytes for t in model_file.tensors.values())
         total_weights = weight_bytes(model_file, self.config)
-        self.plan: MemoryPlan = plan_memory(
-            self.config,
-            weights=total_weights,
-            largest_tensor=largest,
-            budget=usable_bytes(info, gpu_mem),
-            sequences=sequences,
-            context=context,
+        self.plan: MemoryPlan = self.memory_plan(
+            model_file, self.config, sequences=sequences, context=context, gpu_mem=gpu_mem
         )
         self.gpu = info
         uploaded = 0
@@ -102,6 +96,26 @@ class CudaBackend(Backend):
         self._sampler = GpuSampler(self.stream, use_graphs)
         if progress is not None:
             progress("loading weights onto the GPU", total_weights, total_weights)
+
+    @staticmethod
+    def memory_plan(
+        model_file: ModelFile,
+        config: ModelConfig,
+        *,
+        sequences: int = 1,
+        context: int | None = None,
+        gpu_mem: int | None = None,
+    ) -> MemoryPlan:
+        """What loading would allocate on GPU 0: the weights, `sequences` states and the longest context
+        per sequence that fits (at most `context`); raises CmpchatError when not even a short one fits."""
+        return plan_memory(
+            config,
+            weights=weight_bytes(model_file, config),
+            largest_tensor=max(t.n_bytes for t in model_file.tensors.values()),
+            budget=usable_bytes(gpu_info(0), gpu_mem),
+            sequences=sequences,
+            context=context,
+        )
 
     @property
     def context_per_sequence(self) -> int:
