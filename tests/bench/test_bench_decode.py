@@ -169,10 +169,7 @@ def test_backend_memory_plan_is_what_loading_would_allocate(tiny_model_path: Pat
 
     model = ModelFile(tiny_model_path)
     config = ModelConfig.from_model_file(model)
-    plan = CudaBackend.memory_plan(model, config, sequences=2, context=8192)
-    assert plan.sequences == 2 and plan.context_per_sequence == 8192
-    from cmpchat.backends.cuda.memory_plan import RESERVE_BYTES
-
-    smaller_card = plan.total + RESERVE_BYTES - 2 * 1000 * config.kv_bytes_per_token()
-    squeezed = CudaBackend.memory_plan(model, config, sequences=2, context=8192, gpu_mem=smaller_card)
-    assert squeezed.context_per_sequence == 7192  # a smaller card gets a shorter context, not an error
+    plan = CudaBackend.memory_plan(model, config, sequences=2, context=config.context_length)
+    assert plan.sequences == 2 and plan.context_per_sequence == config.context_length
+    with pytest.raises(CmpchatError, match="needs .* GiB on the GPU"):
+        CudaBackend.memory_plan(model, config, sequences=2, context=config.context_length, gpu_mem=plan.total)
