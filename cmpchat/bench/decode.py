@@ -11,12 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cmpchat.bench.kernel_families import FamilyTime, family_times
 from cmpchat.bench.limits import StepBytes, cmp_projection, limit_tokens_per_second, step_bytes
 from cmpchat.generation.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from cmpchat.backends.cuda.model import CudaBackend, CudaSequence
 
 WARMUP_STEPS = 8
 
@@ -91,7 +95,7 @@ def plan_phases(
 
 
 def run_decode(
-    backend: object,
+    backend: CudaBackend,
     weights: int,
     read_bandwidth: float,
     phase: BenchPhase,
@@ -150,19 +154,19 @@ def run_decode(
     return runs
 
 
-def _sequences_at(backend: object, count: int, context: int) -> list:
+def _sequences_at(backend: CudaBackend, count: int, context: int) -> list[CudaSequence]:
     sequences = [backend.new_sequence() for _ in range(count)]
     for sequence in sequences:
         backend.skip_ahead(sequence, context)
     return sequences
 
 
-def _release(backend: object, sequences: list) -> None:
+def _release(backend: CudaBackend, sequences: list[CudaSequence]) -> None:
     for sequence in sequences:
         backend.release(sequence)
 
 
-def _time_steps(backend: object, sequences: list, tokens: int) -> float:
+def _time_steps(backend: CudaBackend, sequences: list[CudaSequence], tokens: int) -> float:
     """Seconds for `tokens` greedy steps of all `sequences` (after a warm-up that compiles and captures)."""
     count = len(sequences)
     greedy = [SamplingParams()] * count
