@@ -13,11 +13,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cmpchat.bench.model_files import BENCH_SHAPES, bench_model_path
 from cmpchat.commands.progress import StderrProgress
 from cmpchat.errors import CmpchatError
 from cmpchat.paths import cache_dir
+
+if TYPE_CHECKING:
+    from cmpchat.bench.report import DecodeReport
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -53,7 +57,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> object:
+def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeReport:
     from cmpchat.backends.cuda.model import CudaBackend
     from cmpchat.bench.decode import WARMUP_STEPS, plan_phases, run_decode
     from cmpchat.bench.limits import weight_bytes_per_step
