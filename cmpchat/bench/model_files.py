@@ -32,13 +32,16 @@ def bench_model_path(name: str, folder: Path, progress: Callable[[str, int, int]
             if progress is not None:
                 progress(stage, done, total)
 
-        build_model(
-            path,
-            MODEL_SHAPES[name],
-            add_tokenizer=qwen35_vocabulary().add_to_gguf,
-            chat_template=None,
-            description=f"cmpchat benchmark file: random Q8_0 weights with the tensor shapes of Qwen3.5 {name}",
-            progress=report,
-            pooled=True,
-        )
+        try:
+            build_model(
+                path,
+                MODEL_SHAPES[name],
+                add_tokenizer=qwen35_vocabulary().add_to_gguf,
+                chat_template=None,
+                description=f"cmpchat benchmark file: random Q8_0 weights with the tensor shapes of Qwen3.5 {name}",
+                progress=report,
+                pooled=True,
+            )
+        except OSError as error:  # a full disk, a read-only folder: the partial file is not left as the model
+            raise CmpchatError(f"cannot write {path}: {error.strerror or error}; free space or pass --folder") from None
     return path

@@ -133,6 +133,24 @@ def build_model(
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
+    try:
+        _write_model(partial, shape, add_tokenizer, chat_template, seed, description, progress, pooled)
+    except BaseException:  # a full disk or an interrupt: no half-written file (tens of GB) is left behind
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(path)
+
+
+def _write_model(
+    partial: Path,
+    shape: ModelShape,
+    add_tokenizer: Callable[[gguf.GGUFWriter], None],
+    chat_template: str | None,
+    seed: int,
+    description: str,
+    progress: Callable[[int, int], None] | None,
+    pooled: bool,
+) -> None:
     writer = gguf.GGUFWriter(partial, ARCHITECTURE)
     _add_metadata(writer, shape, description)
     add_tokenizer(writer)
@@ -153,7 +171,6 @@ def build_model(
         if progress is not None:
             progress(done, total)
     writer.close()
-    partial.replace(path)
 
 
 def _add_metadata(writer: gguf.GGUFWriter, shape: ModelShape, description: str) -> None:

@@ -173,3 +173,22 @@ def test_backend_memory_plan_is_what_loading_would_allocate(tiny_model_path: Pat
     assert plan.sequences == 2 and plan.context_per_sequence == config.context_length
     with pytest.raises(CmpchatError, match="needs .* GiB on the GPU"):
         CudaBackend.memory_plan(model, config, sequences=2, context=config.context_length, gpu_mem=plan.total)
+
+
+def test_a_failed_build_leaves_no_partial_file(tmp_path: Path) -> None:
+    from cmpchat.model.builder import MODEL_SHAPES, build_model
+
+    def broken_tokenizer(writer: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    target = tmp_path / "model.gguf"
+    with pytest.raises(OSError):
+        build_model(target, MODEL_SHAPES["demo"], add_tokenizer=broken_tokenizer, chat_template=None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_bench_folder_is_one_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with pytest.raises(CmpchatError, match="cannot write .*pass --folder"):
+        bench_model_path("0.8B", blocker)
