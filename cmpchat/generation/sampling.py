@@ -83,11 +83,19 @@ def sample_token(
     logits = apply_penalties(np.asarray(logits, dtype=np.float32), params, history)
     if params.is_greedy:
         return int(np.argmax(logits))
+    candidates, probs, keep = filtered_candidates(logits, params)
+    probs = probs[:keep] / probs[:keep].sum()
+    return int(candidates[rng.choice(keep, p=probs)])
+
+
+def filtered_candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, int]:
+    """The sampled path's filter chain on (already penalised) logits: the candidate ids sorted by
+    probability, most likely first, their probabilities after temperature and top-k, and how many of them
+    top-p and min-p keep."""
     candidates = np.arange(logits.shape[0])
     scaled = logits / np.float32(params.temperature)
     if 0 < params.top_k < scaled.shape[0]:
         candidates = np.argpartition(-scaled, params.top_k - 1)[: params.top_k]
-    # Work on the candidates sorted by probability, most likely first.
     candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
     weights = scaled[candidates].astype(np.float64)
     probs = np.exp(weights - weights[0])
@@ -97,5 +105,4 @@ def sample_token(
         keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
     if params.min_p > 0.0:
         keep = min(keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
-    probs = probs[:keep] / probs[:keep].sum()
-    return int(candidates[rng.choice(keep, p=probs)])
+    return candidates, probs, keep

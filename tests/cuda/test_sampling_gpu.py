@@ -20,7 +20,7 @@ from cmpchat.cuda.kernels.sampling import (
     sampling_launches,
     window_from_histories,
 )
-from cmpchat.generation.sampling import SamplingParams, apply_penalties
+from cmpchat.generation.sampling import SamplingParams, apply_penalties, filtered_candidates
 
 pytestmark = pytest.mark.gpu
 
@@ -51,24 +51,6 @@ class Batch:
         for launch in self.greedy if greedy else self.sampled:
             launch.run()
         return self.tokens.copy_to_host()
-
-
-def sorted_candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray, int]:
-    """sample_token's candidates by probability, their probabilities and how many it keeps."""
-    scaled = logits / np.float32(params.temperature)
-    candidates = np.arange(logits.shape[0])
-    if 0 < params.top_k < scaled.shape[0]:
-        candidates = np.argpartition(-scaled, params.top_k - 1)[: params.top_k]
-    candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
-    weights = scaled[candidates].astype(np.float64)
-    probs = np.exp(weights - weights[0])
-    probs /= probs.sum()
-    keep = probs.shape[0]
-    if params.top_p < 1.0:
-        keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
-    if params.min_p > 0.0:
-        keep = min(keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
-    return candidates, probs, keep
 
 
 def chi_square_limit(dof: int, z: float = 4.75) -> float:
@@ -128,7 +110,7 @@ def test_kept_sets_equal_sample_token_at_full_size() -> None:
     threshold = kept_threshold(state.copy_to_host() if hasattr(state, "copy_to_host") else state)
     keys = order_keys(logits)
     for row, (name, _, p) in enumerate(CONFIGS):
-        candidates, _, keep = sorted_candidates(logits[row], p)
+        candidates, _, keep = filtered_candidates(logits[row], p)
         z = logits[row] / np.float32(p.temperature)
         kept = (keys[row] >= threshold[row]) & ((p.min_p == 0) | (np.exp(z - z.max()) >= np.float32(p.min_p)))
         count = int(kept.sum())
@@ -155,7 +137,7 @@ def test_draws_follow_the_distribution(params: SamplingParams) -> None:
     logits = np.full(VOCAB, -30.0, np.float32)  # the rest of the vocabulary holds ~2e-8 of the mass
     hot = (np.arange(10) * 7919 + 3) % VOCAB  # spread over chunks
     logits[hot] = np.log(np.array([30, 20, 12, 9, 8, 6, 5, 4, 3, 3], np.float32))
-    candidates, probs, keep = sorted_candidates(logits, params)
+    candidates, probs, keep = filtered_candidates(logits, params)
     expected = np.zeros(VOCAB)
     expected[candidates[:keep]] = probs[:keep] / probs[:keep].sum()
 

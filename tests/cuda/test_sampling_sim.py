@@ -22,7 +22,7 @@ from cmpchat.cuda.kernels.sampling import (
     sampling_launches,
     window_from_histories,
 )
-from cmpchat.generation.sampling import SamplingParams, apply_penalties
+from cmpchat.generation.sampling import SamplingParams, apply_penalties, filtered_candidates
 
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)
@@ -50,19 +50,7 @@ def reference_kept(logits: np.ndarray, params: SamplingParams, history: list[int
     logits = apply_penalties(np.asarray(logits, np.float32), params, history)
     if params.is_greedy:
         return {int(np.argmax(logits))}
-    candidates = np.arange(logits.shape[0])
-    scaled = logits / np.float32(params.temperature)
-    if 0 < params.top_k < scaled.shape[0]:
-        candidates = np.argpartition(-scaled, params.top_k - 1)[: params.top_k]
-    candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
-    weights = scaled[candidates].astype(np.float64)
-    probs = np.exp(weights - weights[0])
-    probs /= probs.sum()
-    keep = probs.shape[0]
-    if params.top_p < 1.0:
-        keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
-    if params.min_p > 0.0:
-        keep = min(keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
+    candidates, _, keep = filtered_candidates(logits, params)
     return set(candidates[:keep].tolist())
 
 
