@@ -7,7 +7,8 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
 - `shfl_xor_f32(value, lane_mask)` / `shfl_xor_i32`: the value of lane `lane ^ lane_mask`. The fallback
   goes through shared memory and block-wide barriers, so under the simulator every thread of the block
   must call it together (kernels call the reductions below from uniform control flow).
-- `warp_sum_f32`, `warp_max_f32`: butterfly reductions; every lane gets the result.
+- `warp_sum_f32`, `warp_max_f32`: butterfly reductions; every lane gets the result. `block_sum_f32`: the
+  same over a whole block.
 - `unpack_f16x2(word)`: the two fp16 values packed in a uint32 (low half first) as fp32, exactly.
 - `fma_f16x2(a, b, c)`: a × b + c on the two fp16 lanes packed in each uint32, fused, one rounding (HFMA2).
 - `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
@@ -178,6 +179,27 @@ def warp_sum_f32(value):
         value += shfl_xor_f32(value, offset)
         offset //= 2
     return value
+
+
+MAX_WARPS = MAX_BLOCK_THREADS // WARP_SIZE
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum_f32(value):
+    """Sum over the whole block (1-D or 2-D, a multiple of 32 threads), the same deterministic total in
+    every thread: each warp's butterfly sum, then the warps in order. Every thread must call it together;
+    it may be called again right away (its shared slots are free again when it returns)."""
+    warp_totals = cuda.shared.array(MAX_WARPS, float32)
+    total = warp_sum_f32(value)
+    thread = cuda.threadIdx.x + cuda.blockDim.x * cuda.threadIdx.y
+    if thread % WARP_SIZE == 0:
+        warp_totals[thread // WARP_SIZE] = total
+    cuda.syncthreads()
+    result = float32(0.0)
+    for warp in range(cuda.blockDim.x * cuda.blockDim.y // WARP_SIZE):
+        result += warp_totals[warp]
+    cuda.syncthreads()
+    return result
 
 
 @cuda.jit(device=True, inline=True)

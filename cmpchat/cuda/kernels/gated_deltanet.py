@@ -38,7 +38,7 @@ import numpy as np
 from numba import cuda, float32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, warp_sum_f32
+from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, block_sum_f32
 from cmpchat.cuda.kernels.elementwise import sigmoid, silu, softplus
 from cmpchat.cuda.launch import Launch, check_array
 
@@ -65,22 +65,6 @@ _RECURRENT_SIGNATURE = (
 # -- device helpers ----------------------------------------------------------------------------------
 
 
-@cuda.jit(device=True, inline=True)
-def _block_sum(value, warp_totals):
-    """Sum of `value` over the whole block, returned to every thread. All threads must call it together;
-    block size a multiple of 32; `warp_totals` a shared float32 array of >= 32 entries."""
-    total = warp_sum_f32(value)
-    thread = cuda.threadIdx.x + cuda.blockDim.x * cuda.threadIdx.y
-    if thread % WARP_SIZE == 0:
-        warp_totals[thread // WARP_SIZE] = total
-    cuda.syncthreads()
-    result = _ZERO
-    for warp in range((cuda.blockDim.x * cuda.blockDim.y) // WARP_SIZE):
-        result += warp_totals[warp]
-    cuda.syncthreads()  # warp_totals may be reused right after
-    return result
-
-
 # -- kernels -----------------------------------------------------------------------------------------
 
 
@@ -97,7 +81,6 @@ def gdn_conv_step(projection, conv_weight, conv_state, slots, mixed, num_k_heads
     slot = slots[row]
     if slot < 0:
         return  # idle row (uniform over the block, so no barrier is skipped by part of it)
-    warp_totals = cuda.shared.array(WARP_SIZE, float32)
     qk_heads = 2 * num_k_heads
     if head < qk_heads:
         width = k_head_dim
@@ -121,7 +104,7 @@ def gdn_conv_step(projection, conv_weight, conv_state, slots, mixed, num_k_heads
         conv_state[slot, taps - 2, channel] = current
         value = silu(total)
     if head < qk_heads:  # uniform over the block
-        squares = _block_sum(value * value, warp_totals)
+        squares = block_sum_f32(value * value)
         value = value / float32(math.sqrt(squares + L2_NORM_EPS))
         if head < num_k_heads:
             value *= q_scale
@@ -151,7 +134,6 @@ def gdn_recurrent_step(projection, mixed, ssm_a, dt_bias, norm_weight, delta_sta
     z_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
     u_partial = cuda.shared.array(MAX_BLOCK_THREADS, float32)
     o_partial = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    warp_totals = cuda.shared.array(WARP_SIZE, float32)
     thread = column + v_dim * group
     first_row = group * ROWS_PER_THREAD
 
@@ -198,7 +180,7 @@ def gdn_recurrent_step(projection, mixed, ssm_a, dt_bias, norm_weight, delta_sta
     for g in range(cuda.blockDim.y):
         o += o_partial[column + v_dim * g]
 
-    squares = _block_sum(o * o if group == 0 else _ZERO, warp_totals)
+    squares = block_sum_f32(o * o if group == 0 else _ZERO)
     if group == 0:
         inverse_rms = _ONE / float32(math.sqrt(squares / float32(v_dim) + rms_eps))
         out[row, head * v_dim + column] = o * inverse_rms * norm_weight[column] * silu(z_shared[column])

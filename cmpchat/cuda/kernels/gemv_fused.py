@@ -34,7 +34,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import SIMULATOR, WARP_SIZE, dp4a, load_f32x4, load_u32x4, shfl_xor_f32, warp_sum_f32
+from cmpchat.cuda.intrinsics import SIMULATOR, WARP_SIZE, block_sum_f32, dp4a, load_f32x4, load_u32x4, shfl_xor_f32
 from cmpchat.cuda.kernels.gemv import (
     MODE_ACCUMULATE,
     MODE_SWIGLU,
@@ -119,14 +119,7 @@ def _make_gemv_q8_fused(steps: int) -> Any:
                     values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3] = v0, v1, v2, v3
                 for i in range(LOAD_VALUES):
                     partial += values[i] * values[i]  # adding the zeros of dead words changes nothing
-            totals = cuda.shared.array(WARPS_PER_BLOCK, float32)
-            warp_total = warp_sum_f32(partial)
-            if lane == 0:
-                totals[tid >> 5] = warp_total
-            cuda.syncthreads()
-            total = float32(0.0)
-            for w in range(WARPS_PER_BLOCK):
-                total += totals[w]
+            total = block_sum_f32(partial)  # rms_norm_quantize's order: warps, then the warps in order
             factor = float32(1.0) / math.sqrt(total / float32(4 * words) + eps)
 
         for first in range(0, rounds, LOAD_ROUNDS):

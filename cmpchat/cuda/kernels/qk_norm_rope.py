@@ -30,12 +30,11 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import WARP_SIZE, warp_sum_f32
+from cmpchat.cuda.intrinsics import WARP_SIZE, block_sum_f32
 from cmpchat.cuda.kernels.attention import check_kv_cache, check_row_inputs
 from cmpchat.cuda.launch import Launch, check_array
 
 MAX_HEAD_DIM = 1024  # one thread per dim
-_MAX_WARPS = MAX_HEAD_DIM // WARP_SIZE
 
 
 @dataclass(frozen=True)
@@ -59,20 +58,6 @@ def rope_tables(rope_dims: int, theta: float, sections: tuple[int, ...]) -> Rope
     return RopeTables(inv_freq, axis)
 
 
-@cuda.jit(device=True, inline=True)  # inline: compile_ptx without a GPU cannot resolve a call
-def _block_sum(value):
-    """Sum over the block (a multiple of 32 threads); every thread gets the same, deterministic total."""
-    warp_sums = cuda.shared.array(_MAX_WARPS, float32)
-    partial = warp_sum_f32(value)
-    if cuda.threadIdx.x % WARP_SIZE == 0:
-        warp_sums[cuda.threadIdx.x // WARP_SIZE] = partial
-    cuda.syncthreads()
-    total = float32(0)
-    for w in range(cuda.blockDim.x // WARP_SIZE):
-        total += warp_sums[w]
-    return total
-
-
 @kernel(
     "void(float32[:, ::1], int32[:, ::1], int32[:, ::1], float32[::1], float32[::1], float64[::1], int32[::1], "
     "float32, float32[:, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1])"
@@ -92,7 +77,7 @@ def qk_norm_rope(qkv, positions, page_table, q_norm, k_norm, inv_freq, freq_axis
         x = qkv[row, (2 * num_heads + kv_head) * head_dim + dim]
         weight = k_norm[dim]
     # Reference order: x * rsqrt(mean(x^2) + eps), then * weight.
-    mean_square = _block_sum(x * x) / float32(head_dim)
+    mean_square = block_sum_f32(x * x) / float32(head_dim)
     y = x * (float32(1) / math.sqrt(mean_square + eps)) * weight
 
     normed = cuda.shared.array(MAX_HEAD_DIM, float32)

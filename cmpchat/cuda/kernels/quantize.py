@@ -31,14 +31,13 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, shfl_xor_f32, warp_sum_f32
+from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, block_sum_f32, shfl_xor_f32
 from cmpchat.cuda.launch import Launch, check_array
 
 QUANT_BLOCK = 32
 VALUES_PER_WORD = 4
 DEFAULT_THREADS = 256
 
-_MAX_WARPS = MAX_BLOCK_THREADS // WARP_SIZE  # a plain constant: Numba needs literal shared-array sizes
 _ROUNDING_MAGIC = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds a float32 to an integer, ties to even
 
 
@@ -89,20 +88,6 @@ def quantize_rows(x, quants, scales):
             scales[token, word // 8] = scale
 
 
-@cuda.jit(device=True)
-def _block_sum(value):
-    """Sum over the block (a multiple of 32 threads); every thread gets the same, deterministic total."""
-    warp_sums = cuda.shared.array(_MAX_WARPS, float32)
-    partial = warp_sum_f32(value)
-    if cuda.threadIdx.x % WARP_SIZE == 0:
-        warp_sums[cuda.threadIdx.x // WARP_SIZE] = partial
-    cuda.syncthreads()
-    total = float32(0.0)
-    for w in range(cuda.blockDim.x // WARP_SIZE):
-        total += warp_sums[w]
-    return total
-
-
 def _make_rms_norm_quantize(keep_normalized: bool) -> Any:
     def rms_norm_quantize(x, weight, eps, quants, scales, normalized):
         token, tid, threads = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
@@ -115,7 +100,7 @@ def _make_rms_norm_quantize(keep_normalized: bool) -> Any:
                 for j in range(VALUES_PER_WORD):
                     v = x[token, VALUES_PER_WORD * word + j]
                     sum_squares += v * v
-        mean_square = _block_sum(sum_squares) / float32(x.shape[1])
+        mean_square = block_sum_f32(sum_squares) / float32(x.shape[1])
         factor = float32(1.0) / math.sqrt(mean_square + eps)
         for r in range(rounds):
             word = r * threads + tid
