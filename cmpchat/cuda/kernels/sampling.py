@@ -139,6 +139,24 @@ def last_block(counters, row, ticket):
 
 
 @cuda.jit(device=True)
+def row_winner(value, index, partial_value, partial_index, counters, row, ticket):
+    """Each block's (value, index) winner goes to the partials; the row's last block to finish reduces them.
+    Returns (is last block, row winner) in every thread; the winner is only meaningful in the last block."""
+    value, index = block_argmax(value, index)
+    if cuda.threadIdx.x == 0:
+        partial_value[row, cuda.blockIdx.x] = value
+        partial_index[row, cuda.blockIdx.x] = index
+    if not last_block(counters, row, ticket):
+        return False, value, index
+    value, index = float32(-math.inf), int32(NO_INDEX)
+    for c in range(cuda.threadIdx.x, cuda.gridDim.x, cuda.blockDim.x):
+        if better(value, index, partial_value[row, c], partial_index[row, c]):
+            value, index = partial_value[row, c], partial_index[row, c]
+    value, index = block_argmax(value, index)
+    return True, value, index
+
+
+@cuda.jit(device=True)
 def append_token(token, row, tokens, window, window_count):
     tokens[row] = token
     count = window_count[row]
@@ -181,17 +199,9 @@ def row_max(logits, params, partial_value, partial_index, row_stats, radix_state
     for i in range(start + cuda.threadIdx.x, stop, cuda.blockDim.x):
         if better(value, index, logits[row, i], i):  # ties (also all -inf) to the lowest index
             value, index = logits[row, i], int32(i)
-    value, index = block_argmax(value, index)
-    if cuda.threadIdx.x == 0:
-        partial_value[row, cuda.blockIdx.x] = value
-        partial_index[row, cuda.blockIdx.x] = index
-    if not last_block(counters, row, TICKET_ROW_MAX):
+    is_last, value, index = row_winner(value, index, partial_value, partial_index, counters, row, TICKET_ROW_MAX)
+    if not is_last:
         return
-    value, index = float32(-math.inf), int32(NO_INDEX)
-    for c in range(cuda.threadIdx.x, cuda.gridDim.x, cuda.blockDim.x):
-        if better(value, index, partial_value[row, c], partial_index[row, c]):
-            value, index = partial_value[row, c], partial_index[row, c]
-    value, index = block_argmax(value, index)
     if cuda.threadIdx.x == 0:
         temperature = params[row, P_TEMPERATURE]
         if temperature == 0.0:
@@ -293,17 +303,9 @@ def gumbel_draw(logits, params, row_stats, radix_state, rng, partial_value, part
             score = z - math.log(-math.log(uniform))
             if better(value, index, score, i):
                 value, index = score, int32(i)
-    value, index = block_argmax(value, index)
-    if cuda.threadIdx.x == 0:
-        partial_value[row, cuda.blockIdx.x] = value
-        partial_index[row, cuda.blockIdx.x] = index
-    if not last_block(counters, row, TICKET_DRAW):
+    is_last, value, index = row_winner(value, index, partial_value, partial_index, counters, row, TICKET_DRAW)
+    if not is_last:
         return
-    value, index = float32(-math.inf), int32(NO_INDEX)
-    for c in range(cuda.threadIdx.x, cuda.gridDim.x, cuda.blockDim.x):
-        if better(value, index, partial_value[row, c], partial_index[row, c]):
-            value, index = partial_value[row, c], partial_index[row, c]
-    value, index = block_argmax(value, index)
     if cuda.threadIdx.x == 0:
         append_token(index, row, tokens, window, window_count)
         rng[row, 2] = uint32(draw + uint64(1))
