@@ -116,8 +116,10 @@ def test_launcher_checks_shapes_and_sizes_shared_memory() -> None:
             quants, scales, np.zeros((1, 64), np.float32), np.zeros((1, 4), np.float32),
             norm_weight=np.zeros(32, np.float32), sm_count=1,
         )  # fmt: skip
-    # 64 columns = 16 words, padded to one 256-word iteration: 1 KB of quants + 128 B of scales.
-    assert shared_bytes(64) == 1024 + 128
+    # 64 columns = 16 words, padded to one iteration: 256 words at 2 steps (1 KB of quants + 128 B of
+    # scales), 512 at 4 (the default).
+    assert shared_bytes(64, steps=2) == 1024 + 128
+    assert shared_bytes(64) == shared_bytes(64, steps=DEFAULT_TILING.steps)
     assert shared_bytes(64, steps=4) == 2048 + 256
     with pytest.raises(ValueError, match="steps must be one of"):
         FusedGemvTiling(steps=3)
