@@ -25,6 +25,7 @@ from cmpchat.cuda.kernels.sampling import (
     sampling_launches,
     window_from_histories,
 )
+from cmpchat.errors import CmpchatError
 from cmpchat.generation.sampling import SamplingParams, sample_token
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
@@ -100,8 +101,8 @@ def test_staged_rows_land_in_the_device_views(tiny_model_path, where) -> None:
 @pytest.mark.parametrize("where", ON_DEVICE)
 def test_decode_stages_each_rows_inputs(tiny_model_path, where) -> None:
     backend = CudaBackend(ModelFile(tiny_model_path), context=256, sequences=3)
-    runs: list[int] = []
-    backend._run = runs.append  # the inputs only: the kernels have their own tests
+    runs: list[tuple[int, bool]] = []
+    backend._run = lambda bucket, prompt: runs.append((bucket, prompt))  # the inputs only: kernels have own tests
     first, second = backend.new_sequence(), backend.new_sequence()
     backend.decode([first, second], [72, 33])
     backend.stream.synchronize()
@@ -110,15 +111,25 @@ def test_decode_stages_each_rows_inputs(tiny_model_path, where) -> None:
     np.testing.assert_array_equal(positions[:2], [(0, 0, 0, 0), (0, 0, 0, 0)])
     np.testing.assert_array_equal(pages[:2, 0], [first.slot, second.slot])
     np.testing.assert_array_equal(slots[:2], [first.slot, second.slot])
+    # A prompt's tokens are the rows of one step: one slot, consecutive cache indices, their own positions.
     backend.prefill(second, [5, 6], positions=np.array([[7, 8, 9], [10, 10, 11]]))
+    backend.stream.synchronize()
+    tokens, positions, pages, slots = device_inputs(backend.buffers)
+    np.testing.assert_array_equal(tokens[:2], [5, 6])
+    np.testing.assert_array_equal(positions[:2], [(1, 7, 8, 9), (2, 10, 10, 11)])
+    np.testing.assert_array_equal(pages[:2, 0], [second.slot] * 2)
+    np.testing.assert_array_equal(slots[:2], [second.slot] * 2)
     backend.decode([first], [9])
     backend.stream.synchronize()
-    assert runs == [2, 1, 1, 1]
+    assert runs == [(2, False), (2, True), (1, False)]
     got = device_inputs(backend.buffers)
     assert (got[0][0], tuple(got[1][0]), got[2][0, 0], got[3][0]) == (9, (1, 1, 1, 1), first.slot, first.slot)
     for value, idle in zip(got, idle_rows(MAX_ROWS - 1), strict=True):
         np.testing.assert_array_equal(value[1:], idle)
     assert (second.length, second.next_position) == (3, 12)
+    with pytest.raises(CmpchatError, match="do not fit"):
+        backend.prefill(first, [1] * backend.context_per_sequence)
+    assert first.length == 2  # refused before anything ran
 
 
 def unpacked_select(logits: np.ndarray, params, histories, rngs) -> list[int]:

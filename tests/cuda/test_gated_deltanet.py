@@ -180,6 +180,39 @@ def test_separate_mixed_buffer_leaves_the_projection_unchanged():
     run_steps(layer, [[1, 0], [0, 1]], num_slots=2, rng=rng, separate_mixed=True)
 
 
+def test_a_prompt_chunk_in_one_launch_pair_equals_its_tokens_one_step_each():
+    """n rows of one sequence through one launch pair (`tokens_per_sequence`) give the bits of n decode
+    steps, idle rows at the end of the chunk included; other slots stay untouched."""
+    rng = np.random.default_rng(8)
+    layer = Layer.random(TINY, rng)
+    shape = layer.shape
+    conv, delta = random_states(shape, 3, rng)
+    projection = rng.standard_normal((4, shape.projection_width)).astype(np.float32)
+    slots = np.array([1, 1, 1, -1], np.int32)
+
+    stepped = [cuda.to_device(conv), cuda.to_device(delta)]
+    expected = np.zeros((4, shape.output_width), np.float32)
+    for row in range(3):
+        out = cuda.to_device(np.full((1, shape.output_width), np.nan, np.float32))
+        for launch in decode_step(shape, layer.weights, cuda.to_device(projection[row : row + 1]), *stepped,
+                                  cuda.to_device(slots[row : row + 1]), out):  # fmt: skip
+            launch.run()
+        expected[row] = out.copy_to_host()[0]
+
+    chunked = [cuda.to_device(conv), cuda.to_device(delta)]
+    out = cuda.to_device(np.full((4, shape.output_width), np.nan, np.float32))
+    for launch in decode_step(shape, layer.weights, cuda.to_device(projection), *chunked, cuda.to_device(slots), out,
+                              tokens_per_sequence=4):  # fmt: skip
+        launch.run()
+    cuda.synchronize()
+    np.testing.assert_array_equal(out.copy_to_host(), expected)
+    for got, want in zip(chunked, stepped, strict=True):
+        np.testing.assert_array_equal(got.copy_to_host(), want.copy_to_host())
+    with pytest.raises(ValueError, match="whole sequences"):
+        decode_step(shape, layer.weights, cuda.to_device(projection), *chunked, cuda.to_device(slots), out,
+                    tokens_per_sequence=3)  # fmt: skip
+
+
 def test_key_and_value_heads_of_different_sizes():
     rng = np.random.default_rng(4)
     config = gdn_config(num_k_heads=1, num_v_heads=3, k_head_dim=32, v_head_dim=64, rms_eps=1e-5)

@@ -24,7 +24,12 @@ from cmpchat.cuda.ptx_check import (
 
 REPO = Path(__file__).resolve().parents[2]
 
-SPILL_ALLOWANCES: dict[str, int] = {}
+SPILL_ALLOWANCES: dict[str, int] = {
+    # A prompt chunk's rows in turn with the 16 state values held in registers across them (64 at 1024
+    # threads): 7 words go to L1-resident local memory, where a round trip of the state through L2 per row
+    # spills more (measured 248 bytes). The decode kernel, the same code at one row, does not spill.
+    "cmpchat.cuda.kernels.gated_deltanet.gdn_recurrent_prompt": 56,
+}
 """Kernels allowed to spill, with the most spill bytes (stores + loads) each may have, e.g.
 `{"cmpchat.cuda.kernels.NAME.KERNEL": 8}` with a comment saying why the spill is worth keeping."""
 

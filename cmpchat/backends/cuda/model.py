@@ -2,8 +2,10 @@
 
 Weights stream from the mapped file to the GPU at load; every sequence owns a slot of preallocated state
 (KV cache pages, GDN conv and delta states), so a decode step allocates nothing and is captured once per
-batch-size bucket (1, 2, 4, 8, 16 rows) as a graph. Prompts are processed one token at a time here (the
-prefill issue makes them fast); logits stay on the GPU unless asked for.
+batch-size bucket (1, 2, 4, 8, 16 rows) as a graph. A prompt runs through the same step in chunks of up to
+16 of its tokens as the rows (one weight read per chunk; the Gated DeltaNet layers take the rows in order
+within their launches, attention reads each row's causal prefix of the cache the step has just written);
+logits stay on the GPU unless asked for.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ class CudaBackend(Backend):
         self.stream = cuda.stream()
         self._sm_count = info.multiprocessors
         self._free_slots = list(range(self.plan.sequences))[::-1]
-        self._steps: dict[int, tuple[list[Any], AttentionSplits, LaunchGraph | None]] = {}
+        # (bucket, rows are one prompt's tokens) -> the step's launches, attention scratch and graph
+        self._steps: dict[tuple[int, bool], tuple[list[Any], AttentionSplits, LaunchGraph | None]] = {}
         self._sampler = GpuSampler(self.stream, use_graphs)
         if progress is not None:
             progress("loading weights onto the GPU", total_weights, total_weights)
@@ -161,14 +164,25 @@ class CudaBackend(Backend):
     ) -> Any:
         if len(tokens) == 0:
             raise ValueError("prefill needs at least one token")
+        if positions is not None and len(positions) != len(tokens):
+            raise ValueError(f"{len(positions)} positions for {len(tokens)} tokens")
+        if sequence.length + len(tokens) > self.states.page_tokens:
+            raise CmpchatError(
+                f"{sequence.length + len(tokens)} tokens do not fit the {self.states.page_tokens}-token context "
+                "this GPU holds; start a new conversation or shorten the prompt"
+            )
         rows = []
         logits: CudaLogits | None = None
-        for i, token in enumerate(tokens):
-            position = None if positions is None else np.asarray(positions[i])
-            logits = self._step([sequence], [token], [position])
+        for start in range(0, len(tokens), MAX_ROWS):
+            chunk = tokens[start : start + MAX_ROWS]
+            chunk_positions = [None] * len(chunk) if positions is None else list(positions[start : start + len(chunk)])
+            logits = self._step([sequence] * len(chunk), chunk, chunk_positions, prompt=True)
             if all_logits:
-                rows.append(self.to_host(logits)[0])
-        return np.stack(rows) if all_logits else logits
+                rows.append(self.to_host(logits))
+        assert logits is not None
+        if all_logits:
+            return np.concatenate(rows)
+        return CudaLogits(logits.device[logits.rows - 1 :], 1)
 
     def decode(self, sequences: Sequence[CudaSequence], tokens: Sequence[int]) -> CudaLogits:
         if len(sequences) != len(tokens):
@@ -199,27 +213,38 @@ class CudaBackend(Backend):
         return self._sampler.select(logits.device, params, histories, rngs)
 
     def _step(
-        self, sequences: Sequence[CudaSequence], tokens: Sequence[int], positions: Sequence[np.ndarray | None]
+        self,
+        sequences: Sequence[CudaSequence],
+        tokens: Sequence[int],
+        positions: Sequence[np.ndarray | None],
+        *,
+        prompt: bool = False,
     ) -> CudaLogits:
+        """One step: a token for each row's sequence, or (`prompt`) consecutive tokens of one sequence."""
         rows = len(sequences)
         if not 1 <= rows <= MAX_ROWS:
-            raise ValueError(f"a decode step takes 1 to {MAX_ROWS} sequences, got {rows}")
+            raise ValueError(f"a step takes 1 to {MAX_ROWS} rows, got {rows}")
         bucket = token_bucket(rows)
         row_tokens, row_positions, row_slots = [], [], []
+        lengths = {id(s): s.length for s in sequences}
+        next_positions = {id(s): s.next_position for s in sequences}
         for sequence, token, position in zip(sequences, tokens, positions, strict=True):
             if sequence.slot < 0:
                 raise ValueError("the sequence was released")
-            if sequence.length >= self.states.page_tokens:
+            length = lengths[id(sequence)]
+            if length >= self.states.page_tokens:
                 raise CmpchatError(
                     f"the conversation reached the {self.states.page_tokens}-token context this GPU holds; "
                     "start a new one"
                 )
             if not 0 <= token < self.config.vocab_size:
                 raise ValueError(f"token id {token} out of range 0..{self.config.vocab_size - 1}")
-            t, h, w = (sequence.next_position,) * 3 if position is None else (int(p) for p in position)
+            t, h, w = (next_positions[id(sequence)],) * 3 if position is None else (int(p) for p in position)
             row_tokens.append(token)
-            row_positions.append((sequence.length, t, h, w))
+            row_positions.append((length, t, h, w))
             row_slots.append(sequence.slot)
+            lengths[id(sequence)] = length + 1
+            next_positions[id(sequence)] = max(t, h, w) + 1
         # One copy from pinned memory carries all four inputs; rows past `rows` stay idle.
         b = self.buffers
         host_tokens, host_positions, host_pages, host_slots = b.stage()
@@ -228,26 +253,27 @@ class CudaBackend(Backend):
         host_pages[:rows, 0] = row_slots
         host_slots[:rows] = row_slots
         b.upload(self.stream)
-        self._run(bucket)
-        for sequence, position in zip(sequences, positions, strict=True):
-            sequence.length += 1
-            sequence.next_position = sequence.next_position + 1 if position is None else int(max(position)) + 1
+        self._run(bucket, prompt)
+        for sequence in sequences:
+            sequence.length = lengths[id(sequence)]
+            sequence.next_position = next_positions[id(sequence)]
         return CudaLogits(b.logits[:rows], rows)
 
-    def _run(self, bucket: int) -> None:
-        step = self._steps.get(bucket)
+    def _run(self, bucket: int, prompt: bool) -> None:
+        step = self._steps.get((bucket, prompt))
         if step is None:
             splits = AttentionSplits.allocate(self.config, bucket, self._sm_count)
             launches = decode_launches(
-                self.config, self.weights, self.states, self.buffers, splits, bucket, self._sm_count
-            )
+                self.config, self.weights, self.states, self.buffers, splits, bucket, self._sm_count,
+                tokens_per_sequence=bucket if prompt else 1,
+            )  # fmt: skip
             step = (launches, splits, None)
-            self._steps[bucket] = step
+            self._steps[bucket, prompt] = step
             # The first step runs eagerly: it compiles the kernels and makes them ready for capture.
             for launch in launches:
                 launch.run(self.stream)
             if self.use_graphs:
-                self._steps[bucket] = (launches, splits, LaunchGraph.capture(launches, self.stream))
+                self._steps[bucket, prompt] = (launches, splits, LaunchGraph.capture(launches, self.stream))
             return
         launches, _, graph = step
         if graph is not None:
@@ -260,7 +286,7 @@ class CudaBackend(Backend):
 
     def step_launches(self, rows: int) -> list[Any]:
         """The launches of a decode step of `rows` sequences, as last run (run a step of that size first)."""
-        return self._steps[token_bucket(rows)][0]
+        return self._steps[token_bucket(rows), False][0]
 
     def skip_ahead(self, sequence: CudaSequence, length: int) -> None:
         """Benchmarks only: make `sequence` `length` tokens long without running those tokens. Its cached

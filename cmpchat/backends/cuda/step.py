@@ -225,8 +225,13 @@ def decode_launches(
     splits: AttentionSplits,
     rows: int,
     sm_count: int,
+    *,
+    tokens_per_sequence: int = 1,
 ) -> list[Launch]:
-    """Every launch of one decode step for the first `rows` rows of the step buffers, in order."""
+    """Every launch of one step for the first `rows` rows of the step buffers, in order: one token of each
+    row's sequence, or (`tokens_per_sequence` = rows) consecutive tokens of one sequence, a prompt chunk:
+    each row's K/V lands in the cache before attention reads it, so row i sees the prompt up to itself, and
+    the Gated DeltaNet layers take the rows in order."""
     b = buffers
     hidden = b.hidden[:rows]
     launches = [embed_q8_0(b.tokens[:rows], weights.embedding.quants, weights.embedding.scales, hidden)]
@@ -283,6 +288,7 @@ def decode_launches(
                 states.delta_state[index],
                 b.gdn_slots[:rows],
                 attended,
+                tokens_per_sequence=tokens_per_sequence,
             )
         launches += inputs.project_into(mixer.output, attended, hidden)
         activated = _columns(b.mixed, rows, config.ffn_size)

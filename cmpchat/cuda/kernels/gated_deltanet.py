@@ -1,4 +1,6 @@
-"""Gated DeltaNet decode step: one token for each of B sequences, in two launches (QWEN35.md "Gated DeltaNet").
+"""Gated DeltaNet step in two launches (QWEN35.md "Gated DeltaNet"): one token for each of B sequences
+(decode), or n consecutive tokens of each of B/n sequences taken in order within the launches (a prompt
+chunk: `tokens_per_sequence`).
 
 Input: the fp32 output of the fused input projection, one row per sequence,
 `projection [B, P]`, P = conv_dim + Hv*dv + 2*Hv, columns
@@ -18,10 +20,10 @@ heads concatenated: the input of ssm_out's activation quantisation.
 
 Why two launches: the q/k channels of key head kh are read by every value head h with h % Hk == kh, so a
 kernel with one block per value head could not also shift their conv state in place without a grid-wide
-ordering. Launch 1 (`gdn_conv_step`, grid (2Hk+Hv, B), one thread per channel) does the conv, SiLU, the
+ordering. Launch 1 (`gdn_conv_step`, grid (2Hk+Hv, B/n), one thread per channel) does the conv, SiLU, the
 state shift and the q/k L2 normalisation, writing the mixed q|k|v back over the projection's qkv columns
 (same thread reads then writes the same element, so in place is safe) or into a separate buffer.
-Launch 2 (`gdn_recurrent_step`, grid (Hv, B)) streams the fp32 state: block (dv, dk/ROWS_PER_THREAD),
+Launch 2 (`gdn_recurrent_step`, grid (Hv, B/n)) streams the fp32 state: block (dv, dk/ROWS_PER_THREAD),
 thread (j, g) owns column j of S_h for rows g*ROWS_PER_THREAD .. +ROWS_PER_THREAD-1 in registers, so S is
 read once and written once; a warp reads 32 consecutive columns of one row (128 contiguous bytes). The
 two reductions over rows (u = S'ᵀk, o = Sᵀq) go through shared memory, the RMSNorm over columns through
@@ -54,11 +56,11 @@ _ONE = float32(1.0)
 
 _CONV_SIGNATURE = (
     "void(float32[:, ::1], float32[:, ::1], float32[:, :, ::1], int32[::1], float32[:, ::1], "
-    "int32, int32, int32, float32)"
+    "int32, int32, int32, float32, int32)"
 )
 _RECURRENT_SIGNATURE = (
     "void(float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[::1], "
-    "float32[:, :, :, ::1], int32[::1], float32[:, ::1], int32, float32)"
+    "float32[:, :, :, ::1], int32[::1], float32[:, ::1], int32, float32, int32)"
 )
 
 
@@ -69,18 +71,17 @@ _RECURRENT_SIGNATURE = (
 
 
 @kernel(_CONV_SIGNATURE)
-def gdn_conv_step(projection, conv_weight, conv_state, slots, mixed, num_k_heads, k_head_dim, v_head_dim, q_scale):
-    """Block (head, row): heads 0..Hk-1 are q, Hk..2Hk-1 are k, then Hv value heads; thread = channel.
+def gdn_conv_step(
+    projection, conv_weight, conv_state, slots, mixed, num_k_heads, k_head_dim, v_head_dim, q_scale, tokens_per_sequence
+):
+    """Block (head, sequence): heads 0..Hk-1 are q, Hk..2Hk-1 are k, then Hv value heads; thread = channel.
+    The sequence's rows (`tokens_per_sequence` consecutive rows, in token order) are taken one after another.
 
     mixed[row, ch] = silu(causal conv) for ch < conv_dim, q/k then L2-normalised per head and q scaled.
     `mixed` may be `projection` itself (each element is read and written by the same thread).
     """
     lane = cuda.threadIdx.x
     head = cuda.blockIdx.x
-    row = cuda.blockIdx.y
-    slot = slots[row]
-    if slot < 0:
-        return  # idle row (uniform over the block, so no barrier is skipped by part of it)
     qk_heads = 2 * num_k_heads
     if head < qk_heads:
         width = k_head_dim
@@ -88,102 +89,144 @@ def gdn_conv_step(projection, conv_weight, conv_state, slots, mixed, num_k_heads
     else:
         width = v_head_dim
         channel = qk_heads * k_head_dim + (head - qk_heads) * v_head_dim + lane
-    value = _ZERO
-    if lane < width:
-        taps = conv_weight.shape[1]
-        current = projection[row, channel]
-        total = _ZERO
-        # Tap 0 is the oldest input, tap K-1 the current one (summed in the reference's order). The shift
-        # of the carried history happens as it is read: this thread alone owns the channel.
-        for tap in range(taps - 1):
-            past = conv_state[slot, tap, channel]
-            total += past * conv_weight[channel, tap]
-            if tap > 0:
-                conv_state[slot, tap - 1, channel] = past
-        total += current * conv_weight[channel, taps - 1]
-        conv_state[slot, taps - 2, channel] = current
-        value = silu(total)
-    if head < qk_heads:  # uniform over the block
-        squares = block_sum_f32(value * value)
-        value = value / float32(math.sqrt(squares + L2_NORM_EPS))
-        if head < num_k_heads:
-            value *= q_scale
-    if lane < width:
-        mixed[row, channel] = value
+    taps = conv_weight.shape[1]
+    for token in range(tokens_per_sequence):
+        row = cuda.blockIdx.y * tokens_per_sequence + token
+        slot = slots[row]
+        if slot < 0:
+            continue  # idle row (uniform over the block, so no barrier is skipped by part of it)
+        value = _ZERO
+        if lane < width:
+            current = projection[row, channel]
+            total = _ZERO
+            # Tap 0 is the oldest input, tap K-1 the current one (summed in the reference's order). The shift
+            # of the carried history happens as it is read: this thread alone owns the channel.
+            for tap in range(taps - 1):
+                past = conv_state[slot, tap, channel]
+                total += past * conv_weight[channel, tap]
+                if tap > 0:
+                    conv_state[slot, tap - 1, channel] = past
+            total += current * conv_weight[channel, taps - 1]
+            conv_state[slot, taps - 2, channel] = current
+            value = silu(total)
+        if head < qk_heads:  # uniform over the block
+            squares = block_sum_f32(value * value)
+            value = value / float32(math.sqrt(squares + L2_NORM_EPS))
+            if head < num_k_heads:
+                value *= q_scale
+        if lane < width:
+            mixed[row, channel] = value
 
 
-@kernel(_RECURRENT_SIGNATURE, launch_bounds=MAX_BLOCK_THREADS)
-def gdn_recurrent_step(projection, mixed, ssm_a, dt_bias, norm_weight, delta_state, slots, out, num_k_heads, rms_eps):
-    """Block (value head h, row), threads (column j, row group g): the delta rule on S_h, then the gated norm."""
-    column = cuda.threadIdx.x
-    group = cuda.threadIdx.y
-    head = cuda.blockIdx.x
-    row = cuda.blockIdx.y
-    num_v_heads = delta_state.shape[1]
-    k_dim = delta_state.shape[2]
-    v_dim = delta_state.shape[3]
-    slot = slots[row]
-    if slot < 0:
-        if group == 0:
-            out[row, head * v_dim + column] = _ZERO  # downstream quantisation must not see stale rows
-        return
+def _make_recurrent_step(prompt: bool) -> Any:
+    """The recurrent kernel for one token per sequence (decode) or for a sequence's rows in turn (`prompt`:
+    the state stays in registers from the first row to the last). Two compiled kernels, so decode keeps
+    the single-token code that fits the 64 registers 1024 threads allow."""
 
-    q_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
-    k_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
-    v_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
-    z_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
-    u_partial = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    o_partial = cuda.shared.array(MAX_BLOCK_THREADS, float32)
-    thread = column + v_dim * group
-    first_row = group * ROWS_PER_THREAD
+    def recurrent_step(
+        projection,
+        mixed,
+        ssm_a,
+        dt_bias,
+        norm_weight,
+        delta_state,
+        slots,
+        out,
+        num_k_heads,
+        rms_eps,
+        tokens_per_sequence,
+    ):
+        """Block (value head h, sequence), threads (column j, row group g): the delta rule on S_h, then the
+        gated norm, for each of the sequence's rows in turn."""
+        column = cuda.threadIdx.x
+        group = cuda.threadIdx.y
+        head = cuda.blockIdx.x
+        rows = tokens_per_sequence if prompt else 1
+        first = cuda.blockIdx.y * rows
+        num_v_heads = delta_state.shape[1]
+        k_dim = delta_state.shape[2]
+        v_dim = delta_state.shape[3]
 
-    # Issue the state loads first: they are the whole cost, everything else hides behind them.
-    head_state = delta_state[slot, head]  # [dk, dv] view
-    state = cuda.local.array(ROWS_PER_THREAD, float32)
-    for m in range(ROWS_PER_THREAD):
-        state[m] = head_state[first_row + m, column]
+        q_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
+        k_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
+        v_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
+        z_shared = cuda.shared.array(MAX_HEAD_DIM, float32)
+        u_partial = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        o_partial = cuda.shared.array(MAX_BLOCK_THREADS, float32)
+        thread = column + v_dim * group
+        first_row = group * ROWS_PER_THREAD
 
-    # The per-head vectors go through shared memory rather than registers: with 1024 threads a thread has
-    # 64 registers, and the 16 state values must stay in them.
-    key_head = head % num_k_heads  # GGUF order: value head h reads key head h % Hk
-    if thread < k_dim:
-        q_shared[thread] = mixed[row, key_head * k_dim + thread]
-        k_shared[thread] = mixed[row, (num_k_heads + key_head) * k_dim + thread]
-    conv_dim = 2 * num_k_heads * k_dim + num_v_heads * v_dim
-    if group == 0:
-        v_shared[column] = mixed[row, 2 * num_k_heads * k_dim + head * v_dim + column]
-        z_shared[column] = projection[row, conv_dim + head * v_dim + column]
-    beta = sigmoid(projection[row, conv_dim + num_v_heads * v_dim + head])
-    a_logit = projection[row, conv_dim + num_v_heads * v_dim + num_v_heads + head]
-    decay = float32(math.exp(ssm_a[head] * softplus(a_logit + dt_bias[head])))  # alpha = exp(g), g <= 0
-    cuda.syncthreads()  # q, k, v, z staged
+        # Issue the state loads first: they are the whole cost of a decode step, everything else hides behind
+        # them. Every live row of a sequence carries the sequence's slot.
+        slot = slots[first]
+        state = cuda.local.array(ROWS_PER_THREAD, float32)
+        head_state = delta_state[max(slot, 0), head]  # [dk, dv] view
+        if slot >= 0:
+            for m in range(ROWS_PER_THREAD):
+                state[m] = head_state[first_row + m, column]
 
-    partial = _ZERO
-    for m in range(ROWS_PER_THREAD):
-        state[m] *= decay
-        partial += state[m] * k_shared[first_row + m]
-    u_partial[thread] = partial
-    cuda.syncthreads()
-    read = _ZERO  # u_j = (S'ᵀk)_j, read with the already decayed state
-    for g in range(cuda.blockDim.y):
-        read += u_partial[column + v_dim * g]
-    delta = beta * (v_shared[column] - read)
+        # The per-head vectors go through shared memory rather than registers: with 1024 threads a thread has
+        # 64 registers, and the 16 state values must stay in them.
+        key_head = head % num_k_heads  # GGUF order: value head h reads key head h % Hk
+        conv_dim = 2 * num_k_heads * k_dim + num_v_heads * v_dim
+        for token in range(rows):
+            row = first + token
+            if slots[row] < 0:
+                if group == 0:
+                    out[row, head * v_dim + column] = _ZERO  # downstream quantisation must not see stale rows
+                continue
+            if token > 0:
+                cuda.syncthreads()  # the previous row is done with the shared vectors
+            if thread < k_dim:
+                q_shared[thread] = mixed[row, key_head * k_dim + thread]
+                k_shared[thread] = mixed[row, (num_k_heads + key_head) * k_dim + thread]
+            if group == 0:
+                v_shared[column] = mixed[row, 2 * num_k_heads * k_dim + head * v_dim + column]
+                z_shared[column] = projection[row, conv_dim + head * v_dim + column]
+            beta = sigmoid(projection[row, conv_dim + num_v_heads * v_dim + head])
+            a_logit = projection[row, conv_dim + num_v_heads * v_dim + num_v_heads + head]
+            decay = float32(math.exp(ssm_a[head] * softplus(a_logit + dt_bias[head])))  # alpha = exp(g), g <= 0
+            cuda.syncthreads()  # q, k, v, z staged
 
-    partial = _ZERO
-    for m in range(ROWS_PER_THREAD):
-        updated = state[m] + k_shared[first_row + m] * delta
-        head_state[first_row + m, column] = updated
-        partial += updated * q_shared[first_row + m]
-    o_partial[thread] = partial
-    cuda.syncthreads()
-    o = _ZERO
-    for g in range(cuda.blockDim.y):
-        o += o_partial[column + v_dim * g]
+            partial = _ZERO
+            for m in range(ROWS_PER_THREAD):
+                state[m] *= decay
+                partial += state[m] * k_shared[first_row + m]
+            u_partial[thread] = partial
+            cuda.syncthreads()
+            read = _ZERO  # u_j = (S'ᵀk)_j, read with the already decayed state
+            for g in range(cuda.blockDim.y):
+                read += u_partial[column + v_dim * g]
+            delta = beta * (v_shared[column] - read)
 
-    squares = block_sum_f32(o * o if group == 0 else _ZERO)
-    if group == 0:
-        inverse_rms = _ONE / float32(math.sqrt(squares / float32(v_dim) + rms_eps))
-        out[row, head * v_dim + column] = o * inverse_rms * norm_weight[column] * silu(z_shared[column])
+            partial = _ZERO
+            for m in range(ROWS_PER_THREAD):
+                state[m] += k_shared[first_row + m] * delta
+                if not prompt:
+                    head_state[first_row + m, column] = state[m]  # stored as soon as known: frees registers
+                partial += state[m] * q_shared[first_row + m]
+            o_partial[thread] = partial
+            cuda.syncthreads()
+            o = _ZERO
+            for g in range(cuda.blockDim.y):
+                o += o_partial[column + v_dim * g]
+
+            squares = block_sum_f32(o * o if group == 0 else _ZERO)
+            if group == 0:
+                inverse_rms = _ONE / float32(math.sqrt(squares / float32(v_dim) + rms_eps))
+                out[row, head * v_dim + column] = o * inverse_rms * norm_weight[column] * silu(z_shared[column])
+
+        if prompt and slot >= 0:
+            for m in range(ROWS_PER_THREAD):
+                head_state[first_row + m, column] = state[m]
+
+    name = "gdn_recurrent_prompt" if prompt else "gdn_recurrent_step"
+    recurrent_step.__name__ = recurrent_step.__qualname__ = name
+    return kernel(_RECURRENT_SIGNATURE, launch_bounds=MAX_BLOCK_THREADS)(recurrent_step)
+
+
+gdn_recurrent_step = _make_recurrent_step(prompt=False)
+gdn_recurrent_prompt = _make_recurrent_step(prompt=True)
 
 
 # -- launcher ----------------------------------------------------------------------------------------
@@ -270,8 +313,12 @@ def decode_step(
     slots: Any,
     out: Any,
     mixed: Any = None,
+    *,
+    tokens_per_sequence: int = 1,
 ) -> tuple[Launch, Launch]:
-    """The two launches of one GDN layer's decode step for B = projection.shape[0] sequences.
+    """The two launches of one GDN layer's step for B = projection.shape[0] rows: one token of each of B
+    sequences (decode), or, with `tokens_per_sequence` n, n consecutive tokens of each of B/n sequences
+    (a prompt's rows, taken in order within one launch pair; the live rows of a sequence all carry its slot).
 
     projection [B, P] fp32 (layout in the module docstring; its qkv columns are overwritten with the mixed
     q|k|v unless `mixed` [B, conv_dim] is given), conv_state [S, K-1, conv_dim] and delta_state
@@ -297,11 +344,14 @@ def decode_step(
     check_array(weights.norm_weight, "weights.norm_weight", np.float32, 1, (shape.v_head_dim,))
     if batch == 0:
         raise ValueError("a decode step needs at least one row")
+    if tokens_per_sequence < 1 or batch % tokens_per_sequence:
+        raise ValueError(f"{batch} rows are not whole sequences of {tokens_per_sequence} tokens")
+    sequences = batch // tokens_per_sequence
 
     num_k_heads = np.int32(shape.num_k_heads)
     conv = Launch(
         gdn_conv_step,
-        grid=(2 * shape.num_k_heads + shape.num_v_heads, batch),
+        grid=(2 * shape.num_k_heads + shape.num_v_heads, sequences),
         block=(max(shape.k_head_dim, shape.v_head_dim),),
         args=(
             projection,
@@ -313,11 +363,12 @@ def decode_step(
             np.int32(shape.k_head_dim),
             np.int32(shape.v_head_dim),
             np.float32(shape.k_head_dim**-0.5),  # rounded as the reference rounds it
+            np.int32(tokens_per_sequence),
         ),
     )
     recurrent = Launch(
-        gdn_recurrent_step,
-        grid=(shape.num_v_heads, batch),
+        gdn_recurrent_step if tokens_per_sequence == 1 else gdn_recurrent_prompt,
+        grid=(shape.num_v_heads, sequences),
         block=(shape.v_head_dim, shape.k_head_dim // ROWS_PER_THREAD),
         args=(
             projection,
@@ -330,6 +381,7 @@ def decode_step(
             out,
             num_k_heads,
             np.float32(shape.rms_eps),
+            np.int32(tokens_per_sequence),
         ),
     )
     return conv, recurrent
