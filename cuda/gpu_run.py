@@ -4,7 +4,8 @@ Phases, each timed: the environment (versions, GPU), the GPU self-test (tests/cu
 intrinsics, raw launch, graph replay; if it fails nothing else runs), then every test module that has GPU
 tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in full and bench modes the
 benchmarks (`cmpchat bench decode` on the 9B and 27B shapes, with llama.cpp when the archive that
-cuda/build_llama_cpp.sh packs is carried, and the GEMV micro-benchmark), whose JSON lands beside the summary.
+cuda/build_llama_cpp.sh packs is carried, and the GEMV micro-benchmark), in prefill mode `cmpchat bench
+prefill` with the GEMM and chunked-GDN micro-benchmarks; their JSON lands beside the summary.
 
 Results go to the results folder: log.txt (written by gpu_run.sh), selftest.xml and tests.xml (JUnit,
 with the properties tests record, e.g. launch overheads), summary.json and summary.txt, so a later session
@@ -72,22 +73,49 @@ def run_pytest(files: list[str], marker: str, junit: Path, timeout: int, extra: 
     return _timed(command, timeout=max(deadline - time.monotonic(), 1))
 
 
-def run_benchmarks(results: Path, deadline: float, shapes: list[str], sweep: bool) -> dict:
-    """The measurements (bench and full modes), or the tuning sweeps (sweep mode: each compiles and times
-    dozens of kernel variants, so they get a device call of their own)."""
-    gemv_shapes = [s for s in shapes if s in ("9B", "27B")]
-    gemv = [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *gemv_shapes]
-    if sweep:
+def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str) -> dict:
+    """The measurements: decode (bench and full modes), prompt processing (prefill mode), or the tuning
+    sweeps (sweep mode: each compiles and times dozens of kernel variants, so they get a device call of
+    their own)."""
+    kernel_shapes = [s for s in shapes if s in ("9B", "27B")]
+    gemv = [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *kernel_shapes]
+    llama = []
+    if LLAMA_ARCHIVE.exists() and mode != "sweep":
+        subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
+        llama = ["--llama-bench", "/tmp/llama-bench-sm90/run-llama-bench.sh"]
+    if mode == "sweep":
         commands = {
             "gemv_sweep": [*gemv, "--sweep"],
             "attention_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.attention_bench"],
         }
+    elif mode == "prefill":
+        prefill = [sys.executable, "-m", "cmpchat", "bench", "prefill", *shapes, "--folder", BENCH_FOLDER,
+                   "--json", str(results / "bench_prefill.json"), *llama]  # fmt: skip
+        commands = {
+            "prefill": prefill,
+            "gemm": [
+                sys.executable,
+                "-m",
+                "cmpchat.cuda.kernels.gemm_bench",
+                *kernel_shapes,
+                "--tokens",
+                "512",
+                "2048",
+            ],
+            "gdn_chunked": [
+                sys.executable,
+                "-m",
+                "cmpchat.cuda.kernels.gated_deltanet_chunked",
+                *kernel_shapes,
+                "--tokens",
+                "1160",
+                "4620",
+                "16384",
+            ],  # fmt: skip
+        }
     else:
         decode = [sys.executable, "-m", "cmpchat", "bench", "decode", *shapes, "--folder", BENCH_FOLDER,
-                  "--json", str(results / "bench_decode.json")]  # fmt: skip
-        if LLAMA_ARCHIVE.exists():
-            subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
-            decode += ["--llama-bench", "/tmp/llama-bench-sm90/run-llama-bench.sh"]
+                  "--json", str(results / "bench_decode.json"), *llama]  # fmt: skip
         app_speed = [sys.executable, "tests/tui/speed_check.py", "--model", "0.8B", "--folder", BENCH_FOLDER,
                      "--rounds", "2", "--tokens", "1000"]  # fmt: skip
         commands = {"decode": decode, "gemv": [*gemv, "--tokens", "1", "4", "16"], "app_speed": app_speed}
@@ -143,7 +171,7 @@ def format_summary(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the GPU tests (use cuda/gpu_run.sh).")
-    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench", "sweep"], default="quick")
+    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench", "prefill", "sweep"], default="quick")
     parser.add_argument("--shapes", nargs="+", default=["9B", "27B"], help="model shapes the benchmarks run")
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
@@ -166,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["phases"]["selftest"] = phase
     _write(summary, args.results)
     passed = phase["returncode"] == 0
-    if passed and args.mode not in ("bench", "sweep"):
+    if passed and args.mode in MARKERS:
         tests_xml = args.results / "tests.xml"
         files = gpu_test_files()
         print(f"\nGPU test modules: {' '.join(files)}", flush=True)
@@ -176,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["phases"]["gpu_tests"] = phase
         _write(summary, args.results)
         passed = phase["returncode"] in (0, 5)  # 5: no GPU tests selected (none written yet)
-    if passed and args.mode in ("full", "bench", "sweep"):
-        summary["benchmarks"] = run_benchmarks(args.results, deadline, args.shapes, sweep=args.mode == "sweep")
+    if passed and args.mode != "quick":
+        summary["benchmarks"] = run_benchmarks(args.results, deadline, args.shapes, args.mode)
         passed = all(b["returncode"] == 0 for b in summary["benchmarks"].values())
     if phase["returncode"] != 0 and "gpu_tests" not in summary["phases"]:
         print("\nself-test failed: the other GPU tests were not run", flush=True)

@@ -1,4 +1,4 @@
-"""Text and JSON forms of a decode benchmark."""
+"""Text and JSON forms of the decode and prefill benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from cmpchat.bench.decode import DecodeRun
 from cmpchat.bench.limits import CMP_READ_BANDWIDTH, PUBLISHED_CMP_9B_DECODE
 from cmpchat.bench.llama_cpp import LlamaResult
+from cmpchat.bench.prefill import PUBLISHED_CMP_9B_PREFILL, PrefillRun
 
 
 @dataclass(frozen=True)
@@ -112,4 +113,50 @@ def _run_json(run: DecodeRun, report: DecodeReport) -> dict:
             for f in run.families
         ],  # fmt: skip
         "kernels": {name: {"launches": n, "us": round(t * 1e6, 1)} for name, (n, t) in run.kernels.items()},
+    }
+
+
+def _llama_prompt(llama: list[LlamaResult], tokens: int) -> LlamaResult | None:
+    return next((r for r in llama if r.prompt_tokens == tokens and not r.generated_tokens), None)
+
+
+def format_prefill(
+    model: str, gpu: str, runs: list[PrefillRun], llama: list[LlamaResult], shape: str | None
+) -> list[str]:
+    lines = [f"{model} on {gpu}: prompt processing", f"{'tokens':>8} {'seconds':>8} {'tok/s':>9} "
+             f"{'llama.cpp':>9} {'ours/llama':>10}"]  # fmt: skip
+    for run in runs:
+        other = _llama_prompt(llama, run.tokens)
+        theirs = (
+            f"{other.tokens_per_second:9.1f} {run.tokens_per_second / other.tokens_per_second:10.2f}"
+            if other
+            else (f"{'-':>9} {'-':>10}")
+        )
+        lines.append(f"{run.tokens:8d} {run.seconds:8.2f} {run.tokens_per_second:9.1f} {theirs}")
+    if llama:
+        lines.append(f"llama.cpp: llama-bench pp, FlashAttention on, all layers on the GPU, build {llama[0].build}")
+    if shape == "9B":
+        for name, figures in PUBLISHED_CMP_9B_PREFILL.items():
+            listed = ", ".join(f"{n}: {value}" for n, value in figures.items())
+            lines.append(f"published 9B Q8_0 prompt tok/s on one CMP 100-210, {name}: {listed}")
+    return lines
+
+
+def prefill_json(model: str, gpu: str, runs: list[PrefillRun], llama: list[LlamaResult], shape: str | None) -> dict:
+    return {
+        "model": model,
+        "shape": shape,
+        "gpu": gpu,
+        "runs": [
+            {
+                "tokens": run.tokens,
+                "seconds": round(run.seconds, 4),
+                "tok_s": round(run.tokens_per_second, 1),
+                "llama_cpp_tok_s": None
+                if (other := _llama_prompt(llama, run.tokens)) is None
+                else other.tokens_per_second,
+            }
+            for run in runs
+        ],
+        "llama_cpp": [vars(result) for result in llama],
     }

@@ -1,6 +1,8 @@
-"""`cmpchat bench decode`: decode tok/s on this GPU against the limit its read bandwidth sets, and llama.cpp.
+"""`cmpchat bench decode|prefill`: decode tok/s on this GPU against the limit its read bandwidth sets, and
+prompt tok/s by prompt length; both beside llama.cpp on the same file when given its llama-bench.
 
     cmpchat bench decode 9B 27B --llama-bench ./run-llama-bench.sh
+    cmpchat bench prefill 9B --tokens 297 1160 4620
 
 A MODEL is a released size (0.8B, 2B, 4B, 9B, 27B: a file with those exact tensor shapes, random Q8_0
 weights and the real tokenizer is built once in the cache folder, and llama.cpp can load it too) or a path
@@ -39,13 +41,67 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     decode.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench, to compare")
     decode.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     decode.set_defaults(handler=run_decode_bench)
+    prefill = kinds.add_parser("prefill", help="prompt tok/s by prompt length")
+    prefill.add_argument("models", nargs="*", default=["9B"], metavar="MODEL",
+                         help=f"a released size ({', '.join(BENCH_SHAPES)}) or a GGUF file (default: 9B)")  # fmt: skip
+    prefill.add_argument("--tokens", type=int, nargs="+", default=[297, 1160, 4620], metavar="N",
+                         help="prompt lengths (default 297 1160 4620)")  # fmt: skip
+    prefill.add_argument("--folder", type=Path, help="where benchmark files are built (default: the cache folder)")
+    prefill.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench, to compare")
+    prefill.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
+    prefill.set_defaults(handler=run_prefill_bench)
 
 
-def run_decode_bench(args: argparse.Namespace) -> int:
+def _require_gpu() -> None:
     from cmpchat.backends.cuda.device import cuda_gpu_present
 
     if not cuda_gpu_present():
         raise CmpchatError("cmpchat bench needs an NVIDIA GPU with a working driver; none is usable here")
+
+
+def run_prefill_bench(args: argparse.Namespace) -> int:
+    _require_gpu()
+    if any(n < 1 for n in args.tokens):
+        raise CmpchatError("prompt lengths must be >= 1")
+    folder = args.folder or cache_dir() / "bench"
+    results = [_prefill_one(name, folder, args) for name in args.models]
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
+    from cmpchat.backends.cuda.model import CudaBackend
+    from cmpchat.bench.llama_cpp import prompt_command, run_llama_bench
+    from cmpchat.bench.prefill import run_prefill
+    from cmpchat.bench.report import format_prefill, prefill_json
+    from cmpchat.model.gguf_file import ModelFile
+
+    progress = StderrProgress()
+    try:
+        path = bench_model_path(name, folder, progress)
+        backend = CudaBackend(ModelFile(path), context=max(args.tokens) + 64, progress=progress)
+    finally:
+        progress.close()
+    _say(f"{path.name}: prompts of {args.tokens} tokens")
+    runs = run_prefill(backend, args.tokens, say=_say)
+    gpu = backend.gpu.name
+    del backend
+    _free_gpu_memory()
+    llama = []
+    if args.llama_bench:
+        _say(f"  llama-bench pp at {args.tokens}")
+        try:
+            llama = run_llama_bench(prompt_command(args.llama_bench, path, args.tokens))
+        except CmpchatError as error:
+            _say(f"  no llama.cpp comparison: {error}")
+    shape = name if name in BENCH_SHAPES else None
+    print("\n".join(format_prefill(path.name, gpu, runs, llama, shape)), flush=True)
+    return prefill_json(path.name, gpu, runs, llama, shape)
+
+
+def run_decode_bench(args: argparse.Namespace) -> int:
+    _require_gpu()
     if any(c < 0 for c in args.contexts) or args.tokens < 1 or any(not 1 <= b <= 16 for b in args.batches):
         raise CmpchatError("contexts must be >= 0, --tokens >= 1 and batches 1..16")
     folder = args.folder or cache_dir() / "bench"
