@@ -29,12 +29,13 @@ KERNELS: list[KernelSpec] = []
 
 def kernel(
     *signatures: str,
-    launch_bounds: int | None = None,
+    launch_bounds: int | tuple[int, int] | None = None,
 ) -> Callable[[Callable[..., None]], Any]:
     """Define a kernel compiled on first launch (cached on disk) and register its signatures.
 
-    `launch_bounds` is the most threads per block the kernel is launched with; ptxas then keeps its
-    registers low enough for such a block (e.g. 64 per thread for 1024 threads).
+    `launch_bounds` is the most threads per block the kernel is launched with, optionally with the fewest
+    blocks per SM wanted: (threads, blocks); ptxas then keeps its registers low enough for that (e.g. 64 per
+    thread for 1024 threads).
     """
     if not signatures:
         raise ValueError("a kernel needs at least one launch signature for the PTX check")
