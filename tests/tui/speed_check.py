@@ -46,13 +46,18 @@ def run_app(model: str | None, tokens: int, size: tuple[int, int]) -> float:
     config = home / "config" / "cmpchat" / "config.toml"
     config.parent.mkdir(parents=True)
     config.write_text(f"max_tokens = {tokens}\nthinking = false\ntemperature = 0\n")
-    env = {"XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data"), "PYTHONPATH": str(REPO)}
+    # The repository first, then whatever the caller put on the path (the GPU machine's carried wheels).
+    python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data"), "PYTHONPATH": python_path}
     source = ["-m", model] if model else ["--demo"]
     command = [sys.executable, "-m", "cmpchat", *source]
     use_tmux = shutil.which("tmux") and os.environ.get("CMPCHAT_SPEED_TERMINAL") != "pty"
     terminal = TmuxTerminal(command, env, size) if use_tmux else PtyTerminal(command, env, size)
     try:
-        _wait(terminal.ready, 300)
+        try:
+            _wait(terminal.ready, 300)
+        except TimeoutError:
+            raise SystemExit(f"the app showed no loaded model within 300 s; its screen:\n{terminal.screen()}") from None
         terminal.type(PROMPT)
         time.sleep(0.3)
         terminal.enter()
@@ -75,9 +80,11 @@ class TmuxTerminal:
         subprocess.run([*self.tmux, "new-session", "-d", "-s", "s", "-x", str(size[0]), "-y", str(size[1]), line],
                        check=True)  # fmt: skip
 
+    def screen(self) -> str:
+        return subprocess.run([*self.tmux, "capture-pane", "-p", "-t", "s"], capture_output=True, text=True).stdout
+
     def ready(self) -> bool:
-        screen = subprocess.run([*self.tmux, "capture-pane", "-p", "-t", "s"], capture_output=True, text=True).stdout
-        return _app_ready(screen)
+        return _app_ready(self.screen())
 
     def type(self, text: str) -> None:
         subprocess.run([*self.tmux, "send-keys", "-t", "s", "-l", text], check=True)
@@ -121,6 +128,9 @@ class PtyTerminal:
             if not data:
                 return
             self.recent = (self.recent + self.ESCAPES.sub("", data.decode(errors="replace")))[-20000:]
+
+    def screen(self) -> str:
+        return self.recent[-3000:]
 
     def ready(self) -> bool:
         return "ctx " in self.recent  # the title bar shows the context once the model is loaded
