@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from cmpchat.backends.cuda.model import CudaBackend
+from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
 from cmpchat.backends.reference.model import ReferenceBackend
 from cmpchat.demo import ensure_demo_model
 from cmpchat.errors import CmpchatError
@@ -89,6 +90,32 @@ def test_prompt_chunks_give_what_one_token_per_step_gives():
     print(f"chunked vs stepped: median {np.median(error):.2e}, max {error.max():.2e}")
     assert error.max() <= 1e-4
     assert np.array_equal(chunked.argmax(axis=1), stepped.argmax(axis=1))
+
+
+def test_long_prompt_steps_give_what_short_chunks_give():
+    """600 tokens: two long-prompt steps (GEMMs, the GDN token loop) and an 88-token tail, against the same
+    prompt in 16-token chunks (what `all_logits` runs); then one decode step after each."""
+    model_file = ModelFile(ORACLE / "real_heads.q8_0.gguf")
+    gpu = CudaBackend(model_file, sequences=2, context=4096)
+    assert gpu.prompt_buffers is not None and PROMPT_ROWS == 256
+    tokens = np.random.default_rng(3).integers(0, gpu.config.vocab_size, 600).tolist()
+    long_steps, short_chunks = gpu.new_sequence(), gpu.new_sequence()
+    got = gpu.to_host(gpu.prefill(long_steps, tokens))[0]
+    expected = gpu.prefill(short_chunks, tokens, all_logits=True)[-1]
+    assert (
+        (long_steps.length, long_steps.next_position)
+        == (short_chunks.length, short_chunks.next_position)
+        == (
+            600,
+            600,
+        )
+    )
+    after = [gpu.to_host(gpu.decode([s], [tokens[0]]))[0] for s in (long_steps, short_chunks)]
+    for a, b in ((got, expected), tuple(after)):
+        error = np.abs(a - b).max() / np.abs(b).max()
+        print(f"long steps vs short chunks: {error:.2e}")
+        assert error <= 1e-3
+        assert a.argmax() == b.argmax()
 
 
 def greedy_tokens(backend: CudaBackend, prompt: list[int], steps: int) -> list[int]:

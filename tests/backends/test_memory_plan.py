@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cmpchat.backends.cuda.memory_plan import plan_memory
+from cmpchat.backends.cuda.memory_plan import plan_memory, prompt_scratch_bytes
 from cmpchat.errors import CmpchatError
 from cmpchat.model.builder import MODEL_SHAPES, tensor_specs
 from cmpchat.model.config import LayerKind, ModelConfig
@@ -66,3 +66,26 @@ def test_more_sequences_share_the_kv_budget():
     assert four.context_per_sequence < one.context_per_sequence
     assert one.context_per_sequence == 262_144  # the whole context fits for one sequence
     assert four.total <= four.budget
+
+
+@pytest.mark.parametrize("shape_name", ["0.8B", "9B", "27B"])
+def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name):
+    """The plan's figure for a long-prompt step holds what `PromptBuffers.allocate` takes (simulator
+    arrays are numpy, so their sizes are counted on the CPU), and it stays small beside the weights."""
+    from dataclasses import fields
+
+    from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS, PromptBuffers
+
+    config, weights, largest = config_of(shape_name)
+    reserved = prompt_scratch_bytes(config, PROMPT_ROWS)
+    buffers = PromptBuffers.allocate(config)
+    allocated = sum(getattr(buffers, f.name).nbytes for f in fields(buffers) if f.name not in PROMPT_VIEWS)
+    assert allocated <= reserved < 0.05 * weights
+    plain = plan_memory(config, weights=weights, largest_tensor=largest, budget=2 * weights, context=8192)
+    with_prompts = plan_memory(config, weights=weights, largest_tensor=largest, budget=2 * weights, context=8192,
+                               prompt_rows=PROMPT_ROWS)  # fmt: skip
+    assert with_prompts.scratch == plain.scratch + reserved
+
+
+PROMPT_VIEWS = {"tokens", "positions", "page_table"}
+"""Views of `inputs`, not allocations of their own."""

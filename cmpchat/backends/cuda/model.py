@@ -2,10 +2,11 @@
 
 Weights stream from the mapped file to the GPU at load; every sequence owns a slot of preallocated state
 (KV cache pages, GDN conv and delta states), so a decode step allocates nothing and is captured once per
-batch-size bucket (1, 2, 4, 8, 16 rows) as a graph. A prompt runs through the same step in chunks of up to
-16 of its tokens as the rows (one weight read per chunk; the Gated DeltaNet layers take the rows in order
-within their launches, attention reads each row's causal prefix of the cache the step has just written);
-logits stay on the GPU unless asked for.
+batch-size bucket (1, 2, 4, 8, 16 rows) as a graph. A prompt runs in steps of PROMPT_ROWS of its tokens
+(`prompt_step`: DP4A GEMMs, the Gated DeltaNet token loop, attention over each row's causal prefix of the
+cache the step has just written; captured once per sequence slot), and its tail through the decode step in
+chunks of up to 16 tokens as the rows (one weight read per chunk; the GDN layers take the rows in order).
+Logits stay on the GPU unless asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from numba import cuda
 from cmpchat.backends.base import Backend
 from cmpchat.backends.cuda.device import gpu_info, usable_bytes
 from cmpchat.backends.cuda.memory_plan import MemoryPlan, plan_memory, weight_bytes
+from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS, PromptBuffers, prompt_launches, prompt_step_supported
 from cmpchat.backends.cuda.sampler import GpuSampler
 from cmpchat.backends.cuda.step import (
     MAX_ROWS,
@@ -97,6 +99,12 @@ class CudaBackend(Backend):
         # (bucket, rows are one prompt's tokens) -> the step's launches, attention scratch and graph
         self._steps: dict[tuple[int, bool], tuple[list[Any], AttentionSplits, LaunchGraph | None]] = {}
         self._sampler = GpuSampler(self.stream, use_graphs)
+        # Long prompts: one step of PROMPT_ROWS tokens, captured per slot (None: the model cannot take it).
+        self.prompt_buffers: PromptBuffers | None = None
+        if prompt_step_supported(self.config, self.weights) is None:
+            self.prompt_buffers = PromptBuffers.allocate(self.config, PROMPT_ROWS)
+            self._prompt_splits = AttentionSplits.allocate(self.config, PROMPT_ROWS, self._sm_count)
+        self._prompt_steps: dict[int, tuple[list[Any], LaunchGraph | None]] = {}
         if progress is not None:
             progress("loading weights onto the GPU", total_weights, total_weights)
 
@@ -118,6 +126,7 @@ class CudaBackend(Backend):
             budget=usable_bytes(gpu_info(0), gpu_mem),
             sequences=sequences,
             context=context,
+            prompt_rows=PROMPT_ROWS,
         )
 
     @property
@@ -173,7 +182,13 @@ class CudaBackend(Backend):
             )
         rows = []
         logits: CudaLogits | None = None
-        for start in range(0, len(tokens), MAX_ROWS):
+        done = 0
+        if self.prompt_buffers is not None and not all_logits:
+            while len(tokens) - done >= PROMPT_ROWS:
+                chunk_positions = None if positions is None else np.asarray(positions[done : done + PROMPT_ROWS])
+                logits = self._prompt_step(sequence, tokens[done : done + PROMPT_ROWS], chunk_positions)
+                done += PROMPT_ROWS
+        for start in range(done, len(tokens), MAX_ROWS):
             chunk = tokens[start : start + MAX_ROWS]
             chunk_positions = [None] * len(chunk) if positions is None else list(positions[start : start + len(chunk)])
             logits = self._step([sequence] * len(chunk), chunk, chunk_positions, prompt=True)
@@ -258,6 +273,38 @@ class CudaBackend(Backend):
             sequence.length = lengths[id(sequence)]
             sequence.next_position = next_positions[id(sequence)]
         return CudaLogits(b.logits[:rows], rows)
+
+    def _prompt_step(self, sequence: CudaSequence, tokens: Sequence[int], positions: np.ndarray | None) -> CudaLogits:
+        """PROMPT_ROWS tokens of one sequence in one step (room in its context checked by the caller)."""
+        assert self.prompt_buffers is not None
+        if sequence.slot < 0:
+            raise ValueError("the sequence was released")
+        ids = np.asarray(tokens, np.int64)
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}")
+        offsets = np.arange(len(ids))
+        rows = np.empty((len(ids), 4), np.int64)
+        rows[:, 0] = sequence.length + offsets
+        rows[:, 1:] = (sequence.next_position + offsets)[:, None] if positions is None else positions
+        self.prompt_buffers.upload(ids, rows, sequence.slot, self.stream)
+        step = self._prompt_steps.get(sequence.slot)
+        if step is None:
+            launches = prompt_launches(self.config, self.weights, self.states, self.prompt_buffers,
+                                       self._prompt_splits, sequence.slot, self._sm_count)  # fmt: skip
+            for launch in launches:  # compiles the kernels and makes them ready for capture
+                launch.run(self.stream)
+            graph = LaunchGraph.capture(launches, self.stream) if self.use_graphs else None
+            self._prompt_steps[sequence.slot] = (launches, graph)
+        else:
+            launches, graph = step
+            if graph is not None:
+                graph.replay(self.stream)
+            else:
+                for launch in launches:
+                    launch.run(self.stream)
+        sequence.length += len(ids)
+        sequence.next_position = int(rows[-1, 1:].max()) + 1
+        return CudaLogits(self.prompt_buffers.logits, 1)
 
     def _run(self, bucket: int, prompt: bool) -> None:
         step = self._steps.get((bucket, prompt))

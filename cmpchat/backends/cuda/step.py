@@ -62,8 +62,8 @@ class SequenceStates:
         return cls(
             k_cache={i: cuda.device_array(kv_shape, np.float16) for i in config.attention_layers},
             v_cache={i: cuda.device_array(kv_shape, np.float16) for i in config.attention_layers},
-            conv_state={i: _zeros(conv_shape) for i in config.recurrent_layers},
-            delta_state={i: _zeros(delta_shape) for i in config.recurrent_layers},
+            conv_state={i: zeros(conv_shape) for i in config.recurrent_layers},
+            delta_state={i: zeros(delta_shape) for i in config.recurrent_layers},
             slots=slots,
             page_tokens=page_tokens,
         )
@@ -180,16 +180,16 @@ class StepBuffers:
             positions=positions,
             page_table=page_table,
             gdn_slots=gdn_slots,
-            hidden=_zeros((MAX_ROWS, d)),
-            normalized=_zeros((MAX_ROWS, d)),
-            x_quants=_zeros((MAX_ROWS, d // 4), np.uint32),
-            x_scales=_zeros((MAX_ROWS, d // 32)),
-            projection=_zeros((MAX_ROWS, max(attention_width, gdn_width, 2 * config.ffn_size))),
-            mixed=_zeros((MAX_ROWS, mixed_width)),
-            m_quants=_zeros((MAX_ROWS, mixed_width // 4), np.uint32),
-            m_scales=_zeros((MAX_ROWS, mixed_width // 32)),
-            q=_zeros((MAX_ROWS, config.num_heads, config.head_dim)),
-            logits=_zeros((MAX_ROWS, config.vocab_size)),
+            hidden=zeros((MAX_ROWS, d)),
+            normalized=zeros((MAX_ROWS, d)),
+            x_quants=zeros((MAX_ROWS, d // 4), np.uint32),
+            x_scales=zeros((MAX_ROWS, d // 32)),
+            projection=zeros((MAX_ROWS, max(attention_width, gdn_width, 2 * config.ffn_size))),
+            mixed=zeros((MAX_ROWS, mixed_width)),
+            m_quants=zeros((MAX_ROWS, mixed_width // 4), np.uint32),
+            m_scales=zeros((MAX_ROWS, mixed_width // 32)),
+            q=zeros((MAX_ROWS, config.num_heads, config.head_dim)),
+            logits=zeros((MAX_ROWS, config.vocab_size)),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
             inputs=inputs,
@@ -214,7 +214,7 @@ class AttentionSplits:
     def allocate(cls, model: ModelConfig, rows: int, sm_count: int) -> AttentionSplits:
         config = DecodeAttentionConfig.splits_for(rows, model.num_kv_heads, sm_count)
         acc_shape, ml_shape = partial_buffer_shapes(rows, model.num_heads, model.head_dim, config)
-        return cls(config, _zeros(acc_shape), _zeros(ml_shape))
+        return cls(config, zeros(acc_shape), zeros(ml_shape))
 
 
 def decode_launches(
@@ -241,7 +241,7 @@ def decode_launches(
         mixer = layer.mixer
         if isinstance(mixer, AttentionWeights):
             width = 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
-            projection = _columns(b.projection, rows, width)
+            projection = columns(b.projection, rows, width)
             launches += inputs.normed(mixer.qkv, hidden, layer.mixer_norm, projection)
             q = b.q[:rows]
             k_cache, v_cache = states.k_cache[index], states.v_cache[index]
@@ -261,7 +261,7 @@ def decode_launches(
                     v_cache,
                 )
             )
-            attended = _columns(b.mixed, rows, config.num_heads * config.head_dim)
+            attended = columns(b.mixed, rows, config.num_heads * config.head_dim)
             launches += decode_attention(
                 q,
                 projection,
@@ -276,9 +276,9 @@ def decode_launches(
             )
         else:
             assert isinstance(mixer, RecurrentWeights) and layer.kind is LayerKind.RECURRENT
-            projection = _columns(b.projection, rows, mixer.projection.rows)
+            projection = columns(b.projection, rows, mixer.projection.rows)
             launches += inputs.normed(mixer.projection, hidden, layer.mixer_norm, projection)
-            attended = _columns(b.mixed, rows, config.num_v_heads * config.v_head_dim)
+            attended = columns(b.mixed, rows, config.num_v_heads * config.v_head_dim)
             gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
             launches += gdn_decode_step(
                 gdn_shape,
@@ -291,7 +291,7 @@ def decode_launches(
                 tokens_per_sequence=tokens_per_sequence,
             )
         launches += inputs.project_into(mixer.output, attended, hidden)
-        activated = _columns(b.mixed, rows, config.ffn_size)
+        activated = columns(b.mixed, rows, config.ffn_size)
         launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")
         launches += inputs.project_into(layer.down, activated, hidden)
     launches += inputs.normed(weights.lm_head, hidden, weights.output_norm, b.logits[:rows])
@@ -346,8 +346,8 @@ def _project_into(matrix: DeviceMatrix, activations: Any, b: StepBuffers, rows: 
     if not matrix.is_q8_0:
         return [_float_matmul(matrix, activations, hidden, "accumulate")]
     width = activations.shape[1]
-    quants = _columns(b.m_quants, rows, width // 4)
-    scales = _columns(b.m_scales, rows, width // 32)
+    quants = columns(b.m_quants, rows, width // 4)
+    scales = columns(b.m_scales, rows, width // 32)
     return [
         quantize_launch(activations, quants, scales),
         gemv_q8_launch(matrix.quants, matrix.scales, quants, scales, hidden, mode="accumulate"),
@@ -360,13 +360,13 @@ def _float_matmul(matrix: DeviceMatrix, x: Any, out: Any, mode: str) -> Launch:
     return gemv_float_launch(weight, x, out, mode=mode, bf16=bf16)
 
 
-def _columns(buffer: Any, rows: int, width: int) -> Any:
+def columns(buffer: Any, rows: int, width: int) -> Any:
     """A contiguous [rows, width] view at the start of a [16, wider] buffer (rows of `width`, packed)."""
     flat = buffer.reshape(-1)
     return flat[: rows * width].reshape(rows, width)
 
 
-def _zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+def zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
     array = cuda.device_array(shape, dtype)
     fill_zero(array)
     return array

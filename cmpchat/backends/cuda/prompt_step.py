@@ -1,0 +1,194 @@
+"""A long prompt's step: PROMPT_ROWS consecutive tokens of one sequence through the whole model at once.
+
+Where a decode step reads every weight once per token (or per 16 tokens of a short prompt chunk), this
+step reads it once per PROMPT_ROWS tokens, so its matmuls are the DP4A GEMM (`gemm.py`), dp4a-bound on a
+CMP rather than bandwidth-bound. Layer by layer, as `step.decode_launches`:
+
+    x = embed(tokens)                                                     [rows, d]
+    per layer:  p = W_in rms_norm_quantize(x)
+                attention:  q, K/V cache = qk_norm_rope(p);  a = attention(q, cache) * sigmoid(gate)
+                            (each row attends to the cache up to itself: the step wrote the rows' K/V first)
+                GDN:        a = the token loop of `gated_deltanet_chunked` over the rows, state in place
+                x += W_out quantize(a)
+                x += W_down quantize(swiglu(W_gate|up rms_norm_quantize(x)))
+    logits = W_lm rms_norm_quantize(x[last row])                          [1, vocab]
+
+The launches are fixed per sequence slot (the GDN kernels take the slot as an argument), so the backend
+builds and captures them once per slot; the rows' tokens and positions are uploaded before each replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from cmpchat.backends.cuda.step import AttentionSplits, SequenceStates, columns, zeros
+from cmpchat.backends.cuda.weights import AttentionWeights, DeviceMatrix, ModelWeights, RecurrentWeights
+from cmpchat.cuda.kernels.attention import decode_attention
+from cmpchat.cuda.kernels.elementwise import embed_q8_0
+from cmpchat.cuda.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
+from cmpchat.cuda.kernels.gated_deltanet_chunked import DEFAULT_CHUNK, check_prefill_shape, prefill_launches
+from cmpchat.cuda.kernels.gemm import gemm_q8_launch
+from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch
+from cmpchat.cuda.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
+from cmpchat.cuda.kernels.quantize import quantize_launch, rms_norm_quantize_launch
+from cmpchat.cuda.launch import Launch
+from cmpchat.model.config import ModelConfig
+
+PROMPT_ROWS = 256
+"""Tokens per long-prompt step: well into the GEMM's dp4a-bound regime (from ~64 tokens on a CMP), while
+the activations stay small (~90 MB at 27B) and a prompt's tail below it takes the 16-row step."""
+
+
+def prompt_step_supported(config: ModelConfig, weights: ModelWeights) -> str | None:
+    """Why this model cannot take the long-prompt step (then prompts run 16 tokens at a time), or None."""
+    matrices = [weights.lm_head]
+    for layer in weights.layers:
+        mixer = layer.mixer
+        inner = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.projection
+        matrices += [inner, mixer.output, layer.gate_up, layer.down]
+    if not all(m.is_q8_0 for m in matrices):
+        return "the long-prompt step multiplies Q8_0 weights only"
+    if config.recurrent_layers:
+        try:
+            check_prefill_shape(GatedDeltaNetShape.from_config(config), DEFAULT_CHUNK)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+@dataclass
+class PromptBuffers:
+    """Device buffers of one long-prompt step (PROMPT_ROWS rows)."""
+
+    inputs: Any  # int32 [rows * 6]: tokens [rows] | positions [rows, 4] | page_table [rows, 1]
+    tokens: Any  # } views of `inputs`
+    positions: Any  # (cache index, t, h, w) per row
+    page_table: Any
+    hidden: Any  # fp32 [rows, d]
+    normalized: Any  # fp32 [rows, d]
+    x_quants: Any  # uint32 [rows, d/4]
+    x_scales: Any  # fp32 [rows, d/32]
+    projection: Any  # fp32 [rows, widest fused input projection]
+    conv_out: Any  # fp32 [rows, conv_dim]: the GDN conv's output (it may not overwrite the projection)
+    mixed: Any  # fp32 [rows, max(H*hd, Hv*dv, ffn)]
+    m_quants: Any
+    m_scales: Any
+    q: Any  # fp32 [rows, H, hd]
+    logits: Any  # fp32 [1, V]: the last row's
+    inv_freq: Any
+    freq_axis: Any
+
+    @staticmethod
+    def widths(config: ModelConfig) -> tuple[int, int]:
+        """(widest fused input projection, widest mixer or MLP activation) in values."""
+        attention = 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
+        recurrent = config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads
+        mixed = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
+        return max(attention, recurrent), mixed
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, rows: int = PROMPT_ROWS) -> PromptBuffers:
+        widest, mixed = cls.widths(config)
+        d = config.hidden_size
+        rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
+        inputs = cuda.device_array(6 * rows, np.int32)
+        return cls(
+            inputs=inputs,
+            tokens=inputs[:rows],
+            positions=inputs[rows : 5 * rows].reshape(rows, 4),
+            page_table=inputs[5 * rows :].reshape(rows, 1),
+            hidden=zeros((rows, d)),
+            normalized=zeros((rows, d)),
+            x_quants=zeros((rows, d // 4), np.uint32),
+            x_scales=zeros((rows, d // 32)),
+            projection=zeros((rows, widest)),
+            conv_out=zeros((rows, config.conv_dim)),
+            mixed=zeros((rows, mixed)),
+            m_quants=zeros((rows, mixed // 4), np.uint32),
+            m_scales=zeros((rows, mixed // 32)),
+            q=zeros((rows, config.num_heads, config.head_dim)),
+            logits=zeros((1, config.vocab_size)),
+            inv_freq=cuda.to_device(rope.inv_freq),
+            freq_axis=cuda.to_device(rope.freq_axis),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def upload(self, tokens: np.ndarray, positions: np.ndarray, slot: int, stream: Any) -> None:
+        """The rows' token ids and (cache index, t, h, w) positions, all in `slot`'s cache page."""
+        rows = self.rows
+        host = np.empty(6 * rows, np.int32)
+        host[:rows] = tokens
+        host[rows : 5 * rows] = positions.reshape(-1)
+        host[5 * rows :] = slot
+        self.inputs.copy_to_device(host, stream=stream)  # pageable: staged before the call returns
+
+
+def prompt_launches(
+    config: ModelConfig,
+    weights: ModelWeights,
+    states: SequenceStates,
+    buffers: PromptBuffers,
+    splits: AttentionSplits,
+    slot: int,
+    sm_count: int,
+) -> list[Launch]:
+    """Every launch of one long-prompt step for sequence slot `slot`, in order."""
+    b = buffers
+    rows = b.rows
+    hidden = b.hidden
+    eps = config.rms_eps
+    gdn_shape = GatedDeltaNetShape.from_config(config)
+
+    def normed(matrix: DeviceMatrix, norm: Any, out: Any, mode: str = "store") -> list[Launch]:
+        return [
+            rms_norm_quantize_launch(hidden, norm, eps, b.x_quants, b.x_scales, b.normalized),
+            gemm_q8_launch(matrix.quants, matrix.scales, b.x_quants, b.x_scales, out, mode=mode),
+        ]
+
+    def project_into(matrix: DeviceMatrix, activations: Any) -> list[Launch]:
+        width = activations.shape[1]
+        quants, scales = columns(b.m_quants, rows, width // 4), columns(b.m_scales, rows, width // 32)
+        return [
+            quantize_launch(activations, quants, scales),
+            gemm_q8_launch(matrix.quants, matrix.scales, quants, scales, hidden, mode="accumulate"),
+        ]
+
+    launches = [embed_q8_0(b.tokens, weights.embedding.quants, weights.embedding.scales, hidden)]
+    for index, layer in enumerate(weights.layers):
+        mixer = layer.mixer
+        if isinstance(mixer, AttentionWeights):
+            projection = columns(b.projection, rows, mixer.qkv.rows)
+            launches += normed(mixer.qkv, layer.mixer_norm, projection)
+            k_cache, v_cache = states.k_cache[index], states.v_cache[index]
+            launches.append(
+                qk_norm_rope_launch(projection, b.positions, b.page_table, mixer.q_norm, mixer.k_norm, b.inv_freq,
+                                    b.freq_axis, eps, b.q, k_cache, v_cache)
+            )  # fmt: skip
+            attended = columns(b.mixed, rows, config.num_heads * config.head_dim)
+            launches += decode_attention(b.q, projection, b.positions, b.page_table, k_cache, v_cache,
+                                         splits.partial_acc, splits.partial_ml, attended, splits.config)  # fmt: skip
+        else:
+            assert isinstance(mixer, RecurrentWeights)
+            projection = columns(b.projection, rows, mixer.projection.rows)
+            launches += normed(mixer.projection, layer.mixer_norm, projection)
+            attended = columns(b.mixed, rows, gdn_shape.output_width)
+            gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
+            launches += prefill_launches(gdn_shape, gdn_weights, projection, states.conv_state[index],
+                                         states.delta_state[index], slot, attended, chunked=False, mixed=b.conv_out)  # fmt: skip
+        launches += project_into(mixer.output, attended)
+        activated = columns(b.mixed, rows, config.ffn_size)
+        launches += normed(layer.gate_up, layer.mlp_norm, activated, mode="swiglu")
+        launches += project_into(layer.down, activated)
+    lm_head = weights.lm_head
+    launches.append(
+        gemv_q8_fused_launch(lm_head.quants, lm_head.scales, hidden[rows - 1 :], b.logits, norm_weight=weights.output_norm,
+                             eps=eps, sm_count=sm_count)
+    )  # fmt: skip
+    return launches
