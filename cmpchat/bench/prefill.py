@@ -2,7 +2,7 @@
 
 For one model file on GPU 0: a prompt of random token ids is fed in calls of `call_tokens` (as the
 generator feeds a chat's prompt, `GenerationOptions.prefill_chunk`), timed from the first call to the GPU
-finishing the last, after a warm-up prompt that compiles and captures every chunk size the backend uses.
+finishing the last, after warm-up prompts that compile and capture every step the backend uses.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
+
 if TYPE_CHECKING:
     from cmpchat.backends.cuda.model import CudaBackend
 
@@ -23,8 +25,9 @@ PUBLISHED_CMP_9B_PREFILL = {
 }
 """Published prompt tok/s of the 9B Q8_0 model on one CMP 100-210 (llama.cpp build 8462), by prompt size."""
 
-WARMUP_PROMPTS = (17, 2, 4, 8)
-"""Prompt lengths whose chunks (16 + 1, 2, 4, 8 rows) reach every captured step size before timing."""
+WARMUP_PROMPTS = (PROMPT_ROWS + 17, 2, 4, 8)
+"""Prompt lengths whose steps (a long-prompt step, then 16 + 1, 2, 4, 8 rows) reach every captured step
+before timing."""
 
 
 @dataclass(frozen=True)
