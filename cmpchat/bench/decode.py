@@ -3,7 +3,7 @@
 For one model file on GPU 0: greedy decode with CUDA-graph replay and selection on the GPU (only the chosen
 ids cross PCIe, as in the app), timed over `tokens` steps after a warm-up; at each context a profile of one
 step by kernel family. Longer contexts are reached with `CudaBackend.skip_ahead` (zeroed cache entries:
-attention reads them exactly as it reads real ones), since prompts still run token by token.
+attention reads them exactly as it reads real ones), which is quicker than running a 32K prompt.
 """
 
 from __future__ import annotations
