@@ -4,15 +4,13 @@ tokens, against float64 numpy; token counts that leave tails; every sweep tiling
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
 from cmpchat.cuda.kernels.gemm import SWEEP_TILINGS, GemmTiling, gemm_q8_launch
 from cmpchat.cuda.kernels.gemm_bench import PREFILL_SHAPES, benchmark_gemm, tiling_name
 from cmpchat.cuda.kernels.throughput_probes import DP4A_PROBE, compute_rate
-from cmpchat.model.quant import quantize_activations
+from tests.cuda.q8_reference import device, q8_problem
 from tests.cuda.test_gemv_sim import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -22,34 +20,8 @@ SHAPES = [(model, *shape) for model, shapes in PREFILL_SHAPES.items() for shape 
 ROW_CHUNK = 4096  # float64 reference in slices of rows
 
 
-def device(array: np.ndarray):
-    from numba import cuda
-
-    return cuda.to_device(np.ascontiguousarray(array))
-
-
-@functools.lru_cache(maxsize=1)
 def problem(rows: int, cols: int) -> tuple[np.ndarray, ...]:
-    """Random Q8_0 weight and 2048 activation rows with their float64 product and sum of |terms| (cached:
-    the parametrisation runs every token count of a shape in a row)."""
-    rng = np.random.default_rng(rows + cols)
-    quants = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
-    scales = (rng.standard_normal((rows, cols // 32)) * 0.01).astype(np.float16)
-    x = rng.standard_normal((MAX_TOKENS, cols)).astype(np.float32)
-    x_quants, x_scales = quantize_activations(x)
-    dequantized_x = (x_quants.reshape(MAX_TOKENS, -1, 32) * x_scales[..., None].astype(np.float64)).reshape(
-        MAX_TOKENS, cols
-    )
-    expected = np.empty((MAX_TOKENS, rows))
-    magnitude = np.empty((MAX_TOKENS, rows))
-    for start in range(0, rows, ROW_CHUNK):
-        block = slice(start, start + ROW_CHUNK)
-        weight = (quants[block].reshape(-1, cols // 32, 32) * scales[block, :, None].astype(np.float64)).reshape(
-            -1, cols
-        )
-        expected[:, block] = dequantized_x @ weight.T
-        magnitude[:, block] = np.abs(dequantized_x) @ np.abs(weight).T
-    return quants, scales, x_quants, x_scales, expected, magnitude
+    return q8_problem(rows, cols, MAX_TOKENS, ROW_CHUNK)
 
 
 def check_gemm(rows: int, cols: int, mode: str, tokens: int, tiling: GemmTiling | None = None) -> None:

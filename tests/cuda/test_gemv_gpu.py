@@ -3,8 +3,6 @@ fused layouts the backend uses, against float64 numpy; plus the float fallback a
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
@@ -12,7 +10,7 @@ from cmpchat.cuda.kernels.gemv import gemv_q8_launch
 from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES, benchmark_gemv
 from cmpchat.cuda.kernels.gemv_float import gemv_float_launch
 from cmpchat.cuda.kernels.throughput_probes import streaming_read_bandwidth
-from cmpchat.model.quant import quantize_activations
+from tests.cuda.q8_reference import device, q8_problem
 from tests.cuda.test_gemv_sim import assert_close, bf16_bits
 
 pytestmark = pytest.mark.gpu
@@ -22,34 +20,8 @@ SHAPES = [(model, *shape) for model, shapes in QWEN_GEMV_SHAPES.items() for shap
 ROW_CHUNK = 8192  # float64 reference in slices of rows
 
 
-def device(array: np.ndarray):
-    from numba import cuda
-
-    return cuda.to_device(np.ascontiguousarray(array))
-
-
-@functools.lru_cache(maxsize=2)
 def problem(rows: int, cols: int) -> tuple[np.ndarray, ...]:
-    """Random Q8_0 weight and 16 activation rows with their float64 product and sum of |terms| (cached:
-    the 248320-row LM heads take a while in numpy)."""
-    rng = np.random.default_rng(rows + cols)
-    quants = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
-    scales = (rng.standard_normal((rows, cols // 32)) * 0.01).astype(np.float16)
-    x = rng.standard_normal((MAX_TOKENS, cols)).astype(np.float32)
-    x_quants, x_scales = quantize_activations(x)
-    dequantized_x = (x_quants.reshape(MAX_TOKENS, -1, 32) * x_scales[..., None].astype(np.float64)).reshape(
-        MAX_TOKENS, cols
-    )
-    expected = np.empty((MAX_TOKENS, rows))
-    magnitude = np.empty((MAX_TOKENS, rows))
-    for start in range(0, rows, ROW_CHUNK):
-        block = slice(start, start + ROW_CHUNK)
-        weight = (quants[block].reshape(-1, cols // 32, 32) * scales[block, :, None].astype(np.float64)).reshape(
-            -1, cols
-        )
-        expected[:, block] = dequantized_x @ weight.T
-        magnitude[:, block] = np.abs(dequantized_x) @ np.abs(weight).T
-    return quants, scales, x_quants, x_scales, expected, magnitude
+    return q8_problem(rows, cols, MAX_TOKENS, ROW_CHUNK)
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 16])

@@ -57,13 +57,11 @@ from cmpchat.cuda.kernels.gemv import (
     MAX_TOKENS,
     MODE_ACCUMULATE,
     MODE_SWIGLU,
-    check_aligned,
-    check_mode,
-    output_shape,
+    check_q8_matmul,
     silu_f32,
 )
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD
-from cmpchat.cuda.launch import Launch, check_array
+from cmpchat.cuda.launch import Launch
 
 WORDS_PER_BLOCK = QUANT_BLOCK // VALUES_PER_WORD  # 8 words per 32-value block
 LANE_ROW_GROUPS = 4  # a warp is 4 row groups x 8 token groups
@@ -380,22 +378,7 @@ def gemm_q8_launch(
     mode "store" writes out [T, rows]; "accumulate" adds into it; "swiglu" takes W = [gate | up] stacked
     along rows and writes silu(gate x) * (up x) into out [T, rows/2]. `tiling` is for benchmarks and tests.
     """
-    rows, words = check_array(weight_quants, "weight quants", np.uint32, 2)
-    cols = words * VALUES_PER_WORD
-    if rows == 0 or cols % QUANT_BLOCK or cols == 0:
-        raise ValueError(
-            f"weight quants must be [rows, cols/4] with cols a multiple of {QUANT_BLOCK}, got {(rows, words)}"
-        )
-    check_array(weight_scales, "weight scales", np.float16, 2, (rows, cols // QUANT_BLOCK))
-    tokens = int(x_quants.shape[0]) if len(x_quants.shape) == 2 else 0
-    if tokens < 1:
-        raise ValueError("no tokens to multiply")
-    check_array(x_quants, "activation quants", np.uint32, 2, (tokens, words))
-    check_array(x_scales, "activation scales", np.float32, 2, (tokens, cols // QUANT_BLOCK))
-    code = check_mode(mode, rows)
-    check_array(out, "out", np.float32, 2, output_shape(rows, tokens, mode))
-    for array, name in ((weight_quants, "weight quants"), (x_quants, "activation quants")):
-        check_aligned(array, name)
+    rows, words, tokens, code = check_q8_matmul(weight_quants, weight_scales, x_quants, x_scales, out, mode)
     grid = gemm_grid(rows, tokens, mode, tiling)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"{rows} rows need {grid[1]} row tiles, more than a grid's {MAX_GRID_Y}: split the weight")

@@ -308,6 +308,22 @@ def gemv_q8_launch(
     mode "store" writes out [T, rows]; "accumulate" adds into it; "swiglu" takes W = [gate | up] stacked
     along rows and writes silu(gate x) * (up x) into out [T, rows/2].
     """
+    rows, words, tokens, code = check_q8_matmul(weight_quants, weight_scales, x_quants, x_scales, out, mode)
+    bucket = token_bucket(tokens)
+    pairs = rows // 2 if mode == "swiglu" else (rows + 1) // 2
+    grid = (pairs + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
+    args = (
+        weight_quants.reshape(-1), weight_scales.reshape(-1), x_quants.reshape(-1), x_scales.reshape(-1),
+        out.reshape(-1), np.int32(rows), np.int32(words), np.int32(tokens), np.int32(code),
+    )  # fmt: skip
+    return Launch(GEMV_Q8[bucket], grid, BLOCK_THREADS, args)
+
+
+def check_q8_matmul(
+    weight_quants: Any, weight_scales: Any, x_quants: Any, x_scales: Any, out: Any, mode: str
+) -> tuple[int, int, int, int]:
+    """Check the operands of a Q8_0 weight x int8 activations product (layouts in the module docstring),
+    as the GEMV and GEMM launchers take them; (rows, words per row, tokens, mode code)."""
     rows, words = check_array(weight_quants, "weight quants", np.uint32, 2)
     cols = words * VALUES_PER_WORD
     if rows == 0 or cols % QUANT_BLOCK or cols == 0:
@@ -316,19 +332,14 @@ def gemv_q8_launch(
         )
     check_array(weight_scales, "weight scales", np.float16, 2, (rows, cols // QUANT_BLOCK))
     tokens = int(x_quants.shape[0]) if len(x_quants.shape) == 2 else 0
+    if tokens < 1:
+        raise ValueError("no tokens to multiply")
     check_quantized(x_quants, x_scales, tokens, cols)
-    bucket = token_bucket(tokens)
     code = check_mode(mode, rows)
     check_array(out, "out", np.float32, 2, output_shape(rows, tokens, mode))
     for array, name in ((weight_quants, "weight quants"), (x_quants, "activation quants")):
         check_aligned(array, name)
-    pairs = rows // 2 if mode == "swiglu" else (rows + 1) // 2
-    grid = (pairs + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
-    args = (
-        weight_quants.reshape(-1), weight_scales.reshape(-1), x_quants.reshape(-1), x_scales.reshape(-1),
-        out.reshape(-1), np.int32(rows), np.int32(words), np.int32(tokens), np.int32(code),
-    )  # fmt: skip
-    return Launch(GEMV_Q8[bucket], grid, BLOCK_THREADS, args)
+    return rows, words, tokens, code
 
 
 def weight_bytes(rows: int, cols: int) -> int:
