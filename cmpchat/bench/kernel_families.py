@@ -1,14 +1,15 @@
-"""Kernel families of a decode step, and the bytes each family's launches read (for its bandwidth)."""
+"""Kernel families of a decode or prompt step, and the bytes each family's launches read (for its bandwidth)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-FAMILIES = ("GEMV", "attention", "GDN", "norm+quantize", "embedding", "other")
+FAMILIES = ("GEMV", "GEMM", "attention", "GDN", "norm+quantize", "embedding", "other")
 
 _PREFIXES = (
     ("gemv_", "GEMV"),
+    ("gemm_", "GEMM"),
     ("attention_", "attention"),
     ("qk_norm_rope", "attention"),
     ("gdn_", "GDN"),

@@ -2,19 +2,27 @@
 
 For one model file on GPU 0: a prompt of random token ids is fed in calls of `call_tokens` (as the
 generator feeds a chat's prompt, `GenerationOptions.prefill_chunk`), timed from the first call to the GPU
-finishing the last, after warm-up prompts that compile and capture every step the backend uses.
+finishing the last, after warm-up prompts that compile and capture every step the backend uses. Then the
+prompt's last long-prompt step (PROMPT_ROWS tokens, at that prompt's context) is profiled by kernel family,
+which gives the GEMMs' rate against the dp4a peak and a projection for a CMP 100-210 (the prefill issue's):
+
+    CMP step time = GEMM time x (this GPU's dp4a/s / 4.3e12) + every other family's time x (read bandwidth / 818 GB/s)
+
+applied to the measured prompt time as the ratio of the two step times: information, not a measurement.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
+from cmpchat.bench.kernel_families import FamilyTime, family_times
+from cmpchat.bench.limits import CMP_READ_BANDWIDTH
 
 if TYPE_CHECKING:
     from cmpchat.backends.cuda.model import CudaBackend
@@ -30,20 +38,67 @@ WARMUP_PROMPTS = (PROMPT_ROWS + 17, 2, 4, 8)
 before timing."""
 
 
+CMP_DP4A_PER_SECOND = 4.3e12
+"""dp4a instructions/s of a CMP 100-210 (its measured 17.2 TOPS read as 4 multiply-adds per dp4a)."""
+
+ProfileStep = Callable[[Any], tuple[Sequence[str], Sequence[float]]]
+"""(kernel names, seconds) of one replay of a sequence's long-prompt step."""
+
+
+@dataclass(frozen=True)
+class PrefillRates:
+    """This GPU's limits, measured in the same run."""
+
+    read_bandwidth: float
+    """Bytes/s of a streaming read (as `cmpchat doctor`)."""
+    dp4a_per_second: float
+    """dp4a instructions/s (8 ops each)."""
+
+
 @dataclass(frozen=True)
 class PrefillRun:
     tokens: int
     seconds: float
+    families: list[FamilyTime] = field(default_factory=list)
+    """One long-prompt step of PROMPT_ROWS tokens at this prompt's last, by kernel family (empty when the
+    prompt is shorter or nothing was profiled)."""
+    gemm_ops: int = 0
+    """Ops (2 per multiply-add) of that step's GEMMs."""
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds
 
+    def gemm_rate(self) -> float | None:
+        """Ops/s of the profiled step's GEMMs."""
+        gemm = next((f for f in self.families if f.family == "GEMM"), None)
+        return self.gemm_ops / gemm.seconds if gemm and gemm.seconds > 0 else None
+
+    def gemm_share_of_peak(self, rates: PrefillRates) -> float | None:
+        """The profiled step's GEMM ops/s over the dp4a peak (8 ops per dp4a)."""
+        rate = self.gemm_rate()
+        return None if rate is None else rate / (8 * rates.dp4a_per_second)
+
+    def cmp_projection(self, rates: PrefillRates) -> float | None:
+        """Projected prompt tok/s on a CMP 100-210 (module docstring), or None without a profile."""
+        measured = sum(f.seconds for f in self.families)
+        if measured <= 0:
+            return None
+        gemm_factor = rates.dp4a_per_second / CMP_DP4A_PER_SECOND
+        read_factor = rates.read_bandwidth / CMP_READ_BANDWIDTH
+        projected = sum(f.seconds * (gemm_factor if f.family == "GEMM" else read_factor) for f in self.families)
+        return self.tokens_per_second * measured / projected
+
 
 def run_prefill(
-    backend: CudaBackend, sizes: Sequence[int], call_tokens: int = 512, say: Callable[[str], None] = print
+    backend: CudaBackend,
+    sizes: Sequence[int],
+    call_tokens: int = 512,
+    say: Callable[[str], None] = print,
+    profile_step: ProfileStep | None = None,
 ) -> list[PrefillRun]:
-    """Time one prompt of each size (random ids, fixed seed) on a fresh sequence."""
+    """Time one prompt of each size (random ids, fixed seed) on a fresh sequence; with `profile_step`, profile
+    the last long-prompt step of each prompt that had one."""
     rng = np.random.default_rng(0)
     vocab = backend.config.vocab_size
     for length in WARMUP_PROMPTS:
@@ -60,6 +115,24 @@ def run_prefill(
         for begin in range(0, size, call_tokens):
             backend.prefill(sequence, tokens[begin : begin + call_tokens])
         backend.stream.synchronize()
-        runs.append(PrefillRun(size, time.perf_counter() - started))
+        seconds = time.perf_counter() - started
+        families: list[FamilyTime] = []
+        if profile_step is not None and size >= PROMPT_ROWS:
+            names, times = profile_step(sequence)
+            families = family_times(names, times, {})
+        runs.append(PrefillRun(size, seconds, families, gemm_ops_per_step(backend)))
         backend.release(sequence)
     return runs
+
+
+def gemm_ops_per_step(backend: CudaBackend) -> int:
+    """Ops of a long-prompt step's GEMMs: 2 x PROMPT_ROWS per weight of every layer's matrices."""
+    from cmpchat.backends.cuda.weights import AttentionWeights
+
+    weights = 0
+    for layer in backend.weights.layers:
+        mixer = layer.mixer
+        inner = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.projection
+        for matrix in (inner, mixer.output, layer.gate_up, layer.down):
+            weights += matrix.rows * matrix.cols
+    return 2 * PROMPT_ROWS * weights

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from cmpchat.bench.decode import DecodeRun
 from cmpchat.bench.limits import CMP_READ_BANDWIDTH, PUBLISHED_CMP_9B_DECODE
 from cmpchat.bench.llama_cpp import LlamaResult
-from cmpchat.bench.prefill import PUBLISHED_CMP_9B_PREFILL, PrefillRun
+from cmpchat.bench.prefill import PUBLISHED_CMP_9B_PREFILL, PrefillRates, PrefillRun
 
 
 @dataclass(frozen=True)
@@ -121,42 +121,73 @@ def _llama_prompt(llama: list[LlamaResult], tokens: int) -> LlamaResult | None:
 
 
 def format_prefill(
-    model: str, gpu: str, runs: list[PrefillRun], llama: list[LlamaResult], shape: str | None
+    model: str, gpu: str, runs: list[PrefillRun], llama: list[LlamaResult], shape: str | None, rates: PrefillRates
 ) -> list[str]:
-    lines = [f"{model} on {gpu}: prompt processing", f"{'tokens':>8} {'seconds':>8} {'tok/s':>9} "
-             f"{'llama.cpp':>9} {'ours/llama':>10}"]  # fmt: skip
+    lines = [
+        f"{model} on {gpu}: prompt processing; streaming read {rates.read_bandwidth / 1e9:.0f} GB/s, dp4a "
+        f"{8 * rates.dp4a_per_second / 1e12:.1f} TOPS (8 ops per dp4a), both measured now",
+        f"{'tokens':>8} {'seconds':>8} {'tok/s':>9} {'llama.cpp':>9} {'ours/llama':>10} {'GEMM/dp4a':>9} "
+        f"{'CMP projection':>15}",
+    ]
     for run in runs:
         other = _llama_prompt(llama, run.tokens)
         theirs = (
             f"{other.tokens_per_second:9.1f} {run.tokens_per_second / other.tokens_per_second:10.2f}"
             if other
-            else (f"{'-':>9} {'-':>10}")
+            else f"{'-':>9} {'-':>10}"
         )
-        lines.append(f"{run.tokens:8d} {run.seconds:8.2f} {run.tokens_per_second:9.1f} {theirs}")
+        share = run.gemm_share_of_peak(rates)
+        projection = run.cmp_projection(rates)
+        ours = f"{share:9.1%}" if share is not None else f"{'-':>9}"
+        ours += f" {projection:9.1f} tok/s" if projection is not None else f" {'-':>15}"
+        lines.append(f"{run.tokens:8d} {run.seconds:8.2f} {run.tokens_per_second:9.1f} {theirs} {ours}")
     if llama:
         lines.append(f"llama.cpp: llama-bench pp, FlashAttention on, all layers on the GPU, build {llama[0].build}")
+    lines.append(
+        "GEMM/dp4a: the GEMMs of the prompt's last 256-token step against the dp4a peak. CMP projection = the "
+        "measured time with that step's GEMM time x (dp4a/s here / 4.3e12) and every other family's x (read "
+        "bandwidth here / 818 GB/s): a projection, not a measurement."
+    )
     if shape == "9B":
         for name, figures in PUBLISHED_CMP_9B_PREFILL.items():
             listed = ", ".join(f"{n}: {value}" for n, value in figures.items())
             lines.append(f"published 9B Q8_0 prompt tok/s on one CMP 100-210, {name}: {listed}")
+    for run in runs:
+        if run.families:
+            total = sum(f.seconds for f in run.families)
+            lines.append(f"last 256-token step of the {run.tokens}-token prompt: {total * 1e3:.2f} ms")
+            lines += [
+                f"  {f.family:14} {f.launches:4d} launches {f.seconds * 1e6:9.0f} µs {f.seconds / total:6.1%}"
+                for f in run.families
+            ]
     return lines
 
 
-def prefill_json(model: str, gpu: str, runs: list[PrefillRun], llama: list[LlamaResult], shape: str | None) -> dict:
+def prefill_json(
+    model: str, gpu: str, runs: list[PrefillRun], llama: list[LlamaResult], shape: str | None, rates: PrefillRates
+) -> dict:
+    def run_json(run: PrefillRun) -> dict:
+        other = _llama_prompt(llama, run.tokens)
+        share = run.gemm_share_of_peak(rates)
+        projection = run.cmp_projection(rates)
+        return {
+            "tokens": run.tokens,
+            "seconds": round(run.seconds, 4),
+            "tok_s": round(run.tokens_per_second, 1),
+            "llama_cpp_tok_s": None if other is None else other.tokens_per_second,
+            "gemm_share_of_dp4a_peak": None if share is None else round(share, 4),
+            "cmp_projection_tok_s": None if projection is None else round(projection, 1),
+            "families": [
+                {"family": f.family, "launches": f.launches, "us": round(f.seconds * 1e6, 1)} for f in run.families
+            ],
+        }
+
     return {
         "model": model,
         "shape": shape,
         "gpu": gpu,
-        "runs": [
-            {
-                "tokens": run.tokens,
-                "seconds": round(run.seconds, 4),
-                "tok_s": round(run.tokens_per_second, 1),
-                "llama_cpp_tok_s": None
-                if (other := _llama_prompt(llama, run.tokens)) is None
-                else other.tokens_per_second,
-            }
-            for run in runs
-        ],
+        "read_bandwidth_GBps": round(rates.read_bandwidth / 1e9, 1),
+        "dp4a_TOPS": round(8 * rates.dp4a_per_second / 1e12, 2),
+        "runs": [run_json(run) for run in runs],
         "llama_cpp": [vars(result) for result in llama],
     }

@@ -71,22 +71,31 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
 
 
 def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
-    from cmpchat.backends.cuda.model import CudaBackend
+    from cmpchat.backends.cuda.model import CudaBackend, CudaSequence
     from cmpchat.bench.llama_cpp import prompt_command, run_llama_bench
-    from cmpchat.bench.prefill import run_prefill
+    from cmpchat.bench.prefill import PrefillRates, run_prefill
     from cmpchat.bench.report import format_prefill, prefill_json
+    from cmpchat.cuda.kernels.throughput_probes import DP4A_PROBE, OPS_PER_DP4A, compute_rate, streaming_read_bandwidth
+    from cmpchat.cuda.profile import profile_launches
     from cmpchat.model.gguf_file import ModelFile
 
     progress = StderrProgress()
     try:
         path = bench_model_path(name, folder, progress)
+        _say(f"{path.name}: measuring streaming-read bandwidth and the dp4a rate")
+        rates = PrefillRates(streaming_read_bandwidth(), compute_rate(DP4A_PROBE) / OPS_PER_DP4A)
         backend = CudaBackend(ModelFile(path), context=max(args.tokens) + 64, progress=progress)
     finally:
         progress.close()
+
+    def profile_step(sequence: CudaSequence) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        timings = profile_launches(backend.prompt_step_launches(sequence), backend.stream)
+        return timings.names, timings.attributed()
+
     _say(f"{path.name}: prompts of {args.tokens} tokens")
-    runs = run_prefill(backend, args.tokens, say=_say)
+    runs = run_prefill(backend, args.tokens, say=_say, profile_step=profile_step)
     gpu = backend.gpu.name
-    del backend
+    backend = None  # freed before llama.cpp loads the file
     _free_gpu_memory()
     llama = []
     if args.llama_bench:
@@ -96,8 +105,8 @@ def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
         except CmpchatError as error:
             _say(f"  no llama.cpp comparison: {error}")
     shape = name if name in BENCH_SHAPES else None
-    print("\n".join(format_prefill(path.name, gpu, runs, llama, shape)), flush=True)
-    return prefill_json(path.name, gpu, runs, llama, shape)
+    print("\n".join(format_prefill(path.name, gpu, runs, llama, shape, rates)), flush=True)
+    return prefill_json(path.name, gpu, runs, llama, shape, rates)
 
 
 def run_decode_bench(args: argparse.Namespace) -> int:

@@ -1,19 +1,27 @@
-"""The prefill benchmark's timing loop (on a recording stand-in backend), report and JSON."""
+"""The prefill benchmark's timing loop (on a recording stand-in backend), its CMP projection, report and JSON."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
+from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
+from cmpchat.bench.kernel_families import FamilyTime, kernel_family
 from cmpchat.bench.llama_cpp import LlamaResult
-from cmpchat.bench.prefill import WARMUP_PROMPTS, PrefillRun, run_prefill
+from cmpchat.bench.prefill import CMP_DP4A_PER_SECOND, WARMUP_PROMPTS, PrefillRates, PrefillRun, run_prefill
 from cmpchat.bench.report import format_prefill, prefill_json
+
+# An H200-like GPU: 16e12 dp4a/s (128 TOPS), 4.5 TB/s.
+RATES = PrefillRates(read_bandwidth=4.5e12, dp4a_per_second=16e12)
 
 
 class RecordingBackend:
-    """Records prefill calls; sequences are plain counters."""
+    """Records prefill calls; sequences are plain counters; no weights."""
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(vocab_size=100)
+        self.weights = SimpleNamespace(layers=[])
         self.stream = SimpleNamespace(synchronize=lambda: None)
         self.calls: list[tuple[int, int]] = []
         self.released: list[int] = []
@@ -31,26 +39,58 @@ class RecordingBackend:
         self.released.append(sequence)
 
 
-def test_every_chunk_size_is_warmed_up_then_each_prompt_is_fed_in_calls() -> None:
+def test_every_step_is_warmed_up_then_each_prompt_is_fed_in_calls_and_profiled() -> None:
     backend = RecordingBackend()
-    runs = run_prefill(backend, [1000, 30], call_tokens=512, say=lambda _: None)  # type: ignore[arg-type]
+    profiled: list[int] = []
+
+    def profile_step(sequence: int) -> tuple[list[str], list[float]]:
+        profiled.append(sequence)
+        return ["gemm_q8_r64_t64_k2", "gdn_prefill_sequential", "gemm_q8_r64_t64_k2"], [3e-3, 1e-3, 2e-3]
+
+    runs = run_prefill(backend, [1000, 30], call_tokens=512, say=lambda _: None, profile_step=profile_step)  # type: ignore[arg-type]
     warmup = len(WARMUP_PROMPTS)
+    assert WARMUP_PROMPTS[0] > PROMPT_ROWS  # the long-prompt step is compiled and captured before timing
     assert [n for _, n in backend.calls[:warmup]] == list(WARMUP_PROMPTS)
     timed = backend.calls[warmup:]
     assert [n for _, n in timed] == [512, 488, 30]
     assert timed[0][0] == timed[1][0] != timed[2][0]  # one fresh sequence per prompt
+    assert profiled == [timed[0][0]]  # the 30-token prompt has no long-prompt step to profile
     assert len(backend.released) == warmup + 2
     assert [run.tokens for run in runs] == [1000, 30] and all(run.seconds > 0 for run in runs)
+    assert [(f.family, f.launches) for f in runs[0].families] == [("GEMM", 2), ("GDN", 1)]
+    assert runs[1].families == []
+
+
+def test_gemm_share_and_cmp_projection_follow_the_issue_formula() -> None:
+    families = [FamilyTime("GEMM", 10, 0.06, 0), FamilyTime("GDN", 5, 0.01, 0), FamilyTime("attention", 4, 0.01, 0)]
+    run = PrefillRun(tokens=1024, seconds=0.4, families=families, gemm_ops=int(4.8e12 * 0.06))
+    assert run.gemm_share_of_peak(RATES) == pytest.approx(4.8e12 / 128e12)
+    # CMP step: 0.06 x 16e12 / 4.3e12 + 0.02 x 4.5e12 / 818e9, against 0.08 s measured.
+    projected_step = 0.06 * 16e12 / CMP_DP4A_PER_SECOND + 0.02 * 4.5e12 / 818e9
+    assert run.cmp_projection(RATES) == pytest.approx(1024 / 0.4 * 0.08 / projected_step)
+    assert PrefillRun(297, 0.1).cmp_projection(RATES) is None
+    assert PrefillRun(297, 0.1).gemm_share_of_peak(RATES) is None
+    assert kernel_family("gemm_q8_r64_t64_k2") == "GEMM" and kernel_family("gemv_q8_fused_s4") == "GEMV"
 
 
 def test_report_compares_with_llama_cpp_and_lists_the_published_cmp_figures() -> None:
-    runs = [PrefillRun(1160, 0.5), PrefillRun(297, 0.2)]
+    families = [FamilyTime("GEMM", 10, 0.06, 0), FamilyTime("GDN", 5, 0.02, 0)]
+    runs = [PrefillRun(1160, 0.5, families, int(4.8e12 * 0.06)), PrefillRun(297, 0.2)]
     llama = [LlamaResult(1160, 0, 0, 2000.0, "b1 (abc)"), LlamaResult(0, 128, 0, 50.0, "b1 (abc)")]
-    text = "\n".join(format_prefill("m.gguf", "H200", runs, llama, "9B"))
-    assert "    1160     0.50    2320.0    2000.0       1.16" in text
-    assert "     297     0.20    1485.0         -          -" in text
-    assert "llama.cpp: 199" not in text and "llama.cpp: 297: 199" in text
-    assert "qengine: 297: 594" in text
-    payload = prefill_json("m.gguf", "H200", runs, llama, "9B")
-    assert payload["runs"][0] == {"tokens": 1160, "seconds": 0.5, "tok_s": 2320.0, "llama_cpp_tok_s": 2000.0}
-    assert payload["runs"][1]["llama_cpp_tok_s"] is None
+    text = "\n".join(format_prefill("m.gguf", "H200", runs, llama, "9B", RATES))
+    assert "streaming read 4500 GB/s, dp4a 128.0 TOPS" in text
+    assert "    1160     0.50    2320.0    2000.0       1.16      3.8%" in text
+    assert "     297     0.20    1485.0         -          -         -               -" in text
+    assert "llama.cpp: 297: 199" in text and "qengine: 297: 594" in text
+    assert "last 256-token step of the 1160-token prompt: 80.00 ms" in text
+    assert "a projection, not a measurement" in text
+    payload = prefill_json("m.gguf", "H200", runs, llama, "9B", RATES)
+    first = payload["runs"][0]
+    assert (first["tokens"], first["tok_s"], first["llama_cpp_tok_s"], first["gemm_share_of_dp4a_peak"]) == (
+        1160,
+        2320.0,
+        2000.0,
+        0.0375,
+    )
+    assert first["cmp_projection_tok_s"] == round(runs[0].cmp_projection(RATES), 1)
+    assert payload["runs"][1]["llama_cpp_tok_s"] is None and payload["runs"][1]["families"] == []

@@ -335,6 +335,10 @@ class CudaBackend(Backend):
         """The launches of a decode step of `rows` sequences, as last run (run a step of that size first)."""
         return self._steps[token_bucket(rows), False][0]
 
+    def prompt_step_launches(self, sequence: CudaSequence) -> list[Any]:
+        """The launches of `sequence`'s long-prompt step, as last run (feed it a long prompt first)."""
+        return self._prompt_steps[sequence.slot][0]
+
     def skip_ahead(self, sequence: CudaSequence, length: int) -> None:
         """Benchmarks only: make `sequence` `length` tokens long without running those tokens. Its cached
         keys and values are zeros, so the next steps read (and cost) what a real context that long does."""
