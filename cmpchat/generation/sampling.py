@@ -11,13 +11,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+GREEDY_BELOW = 1e-5
+"""Temperatures under this are greedy (stored as 0): the distribution is already a point mass for any logit
+gap above ~1e-3, and logits / T would overflow float32 (inf - inf = NaN) soon below it."""
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to choose each next token; the defaults are greedy decoding with no penalties."""
 
     temperature: float = 0.0
-    """0 picks the most likely token; higher values flatten the distribution."""
+    """0 (or anything under GREEDY_BELOW) picks the most likely token; higher values flatten the distribution."""
     top_k: int = 0
     """Keep only the k most likely tokens (0 = all)."""
     top_p: float = 1.0
@@ -36,8 +40,10 @@ class SamplingParams:
     """Seed for the draws, so a sampled reply can be reproduced."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError("temperature must be >= 0")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
         if not 0.0 < self.top_p <= 1.0:

@@ -19,6 +19,18 @@ def test_greedy_is_argmax():
     assert sample_token(LOGITS, SamplingParams(), [], np.random.default_rng()) == 0
 
 
+@pytest.mark.parametrize("temperature", [2.6e-68, 1e-45, 1e-30, 9e-6])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
+    """Found by the server's fuzz test: 2.6e-68 is 0 in float32, and logits / 0 made the draw NaN."""
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy and params.temperature == 0.0
+    wide = np.array([-3e4, 2e4, 1e4, 0.0], np.float32)
+    assert sample_token(wide, params, [], np.random.default_rng()) == 1
+    assert not SamplingParams(temperature=1e-5).is_greedy
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+
+
 def test_temperature_one_follows_the_distribution():
     counts = np.bincount(draws(SamplingParams(temperature=1.0)), minlength=4) / 2000
     np.testing.assert_allclose(counts, [0.5, 0.25, 0.15, 0.1], atol=0.04)
