@@ -25,16 +25,13 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from cmpchat.backends.cuda.step import AttentionSplits, SequenceStates, columns, zeros
-from cmpchat.backends.cuda.weights import AttentionWeights, DeviceMatrix, ModelWeights, RecurrentWeights
+from cmpchat.backends.cuda.step import AttentionSplits, MatmulInputs, SequenceStates, columns, zeros
+from cmpchat.backends.cuda.weights import AttentionWeights, ModelWeights, RecurrentWeights
 from cmpchat.cuda.kernels.attention import decode_attention
 from cmpchat.cuda.kernels.elementwise import embed_q8_0
 from cmpchat.cuda.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.cuda.kernels.gated_deltanet_chunked import DEFAULT_CHUNK, check_prefill_shape, prefill_launches
-from cmpchat.cuda.kernels.gemm import gemm_q8_launch
-from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch
 from cmpchat.cuda.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
-from cmpchat.cuda.kernels.quantize import quantize_launch, rms_norm_quantize_launch
 from cmpchat.cuda.launch import Launch
 from cmpchat.model.config import ModelConfig
 
@@ -146,26 +143,14 @@ def prompt_launches(
     eps = config.rms_eps
     gdn_shape = GatedDeltaNetShape.from_config(config)
 
-    def normed(matrix: DeviceMatrix, norm: Any, out: Any, mode: str = "store") -> list[Launch]:
-        return [
-            rms_norm_quantize_launch(hidden, norm, eps, b.x_quants, b.x_scales, b.normalized),
-            gemm_q8_launch(matrix.quants, matrix.scales, b.x_quants, b.x_scales, out, mode=mode),
-        ]
-
-    def project_into(matrix: DeviceMatrix, activations: Any) -> list[Launch]:
-        width = activations.shape[1]
-        quants, scales = columns(b.m_quants, rows, width // 4), columns(b.m_scales, rows, width // 32)
-        return [
-            quantize_launch(activations, quants, scales),
-            gemm_q8_launch(matrix.quants, matrix.scales, quants, scales, hidden, mode="accumulate"),
-        ]
+    inputs = MatmulInputs(b, rows, eps, sm_count)
 
     launches = [embed_q8_0(b.tokens, weights.embedding.quants, weights.embedding.scales, hidden)]
     for index, layer in enumerate(weights.layers):
         mixer = layer.mixer
         if isinstance(mixer, AttentionWeights):
             projection = columns(b.projection, rows, mixer.qkv.rows)
-            launches += normed(mixer.qkv, layer.mixer_norm, projection)
+            launches += inputs.normed(mixer.qkv, hidden, layer.mixer_norm, projection)
             k_cache, v_cache = states.k_cache[index], states.v_cache[index]
             launches.append(
                 qk_norm_rope_launch(projection, b.positions, b.page_table, mixer.q_norm, mixer.k_norm, b.inv_freq,
@@ -177,18 +162,15 @@ def prompt_launches(
         else:
             assert isinstance(mixer, RecurrentWeights)
             projection = columns(b.projection, rows, mixer.projection.rows)
-            launches += normed(mixer.projection, layer.mixer_norm, projection)
+            launches += inputs.normed(mixer.projection, hidden, layer.mixer_norm, projection)
             attended = columns(b.mixed, rows, gdn_shape.output_width)
             gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
             launches += prefill_launches(gdn_shape, gdn_weights, projection, states.conv_state[index],
                                          states.delta_state[index], slot, attended, chunked=False, mixed=b.conv_out)  # fmt: skip
-        launches += project_into(mixer.output, attended)
+        launches += inputs.project_into(mixer.output, attended, hidden)
         activated = columns(b.mixed, rows, config.ffn_size)
-        launches += normed(layer.gate_up, layer.mlp_norm, activated, mode="swiglu")
-        launches += project_into(layer.down, activated)
-    lm_head = weights.lm_head
-    launches.append(
-        gemv_q8_fused_launch(lm_head.quants, lm_head.scales, hidden[rows - 1 :], b.logits, norm_weight=weights.output_norm,
-                             eps=eps, sm_count=sm_count)
-    )  # fmt: skip
+        launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")
+        launches += inputs.project_into(layer.down, activated, hidden)
+    last = MatmulInputs(b, 1, eps, sm_count)  # the last row alone: the fused one-token GEMV
+    launches += last.normed(weights.lm_head, hidden[rows - 1 :], weights.output_norm, b.logits)
     return launches

@@ -29,6 +29,7 @@ from cmpchat.cuda.kernels.attention import DecodeAttentionConfig, decode_attenti
 from cmpchat.cuda.kernels.elementwise import embed_q8_0
 from cmpchat.cuda.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.cuda.kernels.gated_deltanet import decode_step as gdn_decode_step
+from cmpchat.cuda.kernels.gemm import gemm_q8_launch, matmul_kind
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch
 from cmpchat.cuda.kernels.gemv_float import gemv_float_launch
 from cmpchat.cuda.kernels.gemv_fused import gemv_q8_fused_launch
@@ -236,7 +237,7 @@ def decode_launches(
     hidden = b.hidden[:rows]
     launches = [embed_q8_0(b.tokens[:rows], weights.embedding.quants, weights.embedding.scales, hidden)]
     gdn_shape = GatedDeltaNetShape.from_config(config)
-    inputs = _MatmulInputs(b, rows, config.rms_eps, sm_count)
+    inputs = MatmulInputs(b, rows, config.rms_eps, sm_count)
     for index, layer in enumerate(weights.layers):
         mixer = layer.mixer
         if isinstance(mixer, AttentionWeights):
@@ -299,11 +300,12 @@ def decode_launches(
 
 
 @dataclass(frozen=True)
-class _MatmulInputs:
+class MatmulInputs:
     """How a step prepares each matmul's input: at one row a Q8_0 GEMV normalises and quantises it itself
-    (`gemv_fused`); otherwise a launch writes the int8 (and fp32, for float weights) form first."""
+    (`gemv_fused`); otherwise a launch writes the int8 (and fp32, for float weights) form first, and the
+    batched GEMV (up to 16 rows) or the GEMM (more, `gemm.matmul_kind`) multiplies."""
 
-    b: StepBuffers
+    b: Any  # StepBuffers, or prompt_step.PromptBuffers: the same activation buffers
     rows: int
     eps: float
     sm_count: int
@@ -334,14 +336,14 @@ class _MatmulInputs:
         return _project_into(matrix, activations, self.b, self.rows, hidden)
 
 
-def _matmul(matrix: DeviceMatrix, b: StepBuffers, rows: int, out: Any, mode: str = "store") -> Launch:
+def _matmul(matrix: DeviceMatrix, b: Any, rows: int, out: Any, mode: str = "store") -> Launch:
     """out (=, += or swiglu) matrix @ the normalised input (its int8 form for Q8_0 weights)."""
     if matrix.is_q8_0:
-        return gemv_q8_launch(matrix.quants, matrix.scales, b.x_quants[:rows], b.x_scales[:rows], out, mode=mode)
+        return _q8_matmul(matrix, b.x_quants[:rows], b.x_scales[:rows], out, mode)
     return _float_matmul(matrix, b.normalized[:rows], out, mode)
 
 
-def _project_into(matrix: DeviceMatrix, activations: Any, b: StepBuffers, rows: int, hidden: Any) -> list[Launch]:
+def _project_into(matrix: DeviceMatrix, activations: Any, b: Any, rows: int, hidden: Any) -> list[Launch]:
     """hidden += matrix @ activations (the residual add fused into the GEMV)."""
     if not matrix.is_q8_0:
         return [_float_matmul(matrix, activations, hidden, "accumulate")]
@@ -350,8 +352,14 @@ def _project_into(matrix: DeviceMatrix, activations: Any, b: StepBuffers, rows: 
     scales = columns(b.m_scales, rows, width // 32)
     return [
         quantize_launch(activations, quants, scales),
-        gemv_q8_launch(matrix.quants, matrix.scales, quants, scales, hidden, mode="accumulate"),
+        _q8_matmul(matrix, quants, scales, hidden, "accumulate"),
     ]
+
+
+def _q8_matmul(matrix: DeviceMatrix, x_quants: Any, x_scales: Any, out: Any, mode: str) -> Launch:
+    """out (=, += or swiglu) matrix @ int8 activations: the batched GEMV or the GEMM, by row count."""
+    launch = gemm_q8_launch if matmul_kind(x_quants.shape[0]) == "gemm" else gemv_q8_launch
+    return launch(matrix.quants, matrix.scales, x_quants, x_scales, out, mode=mode)
 
 
 def _float_matmul(matrix: DeviceMatrix, x: Any, out: Any, mode: str) -> Launch:
