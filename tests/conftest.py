@@ -26,6 +26,10 @@ def pytest_configure(config: pytest.Config) -> None:
     selected = (config.getoption("-m") or "").replace("not gpu", "")
     if "gpu" not in selected:
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        from tests.simulator_barrier import install
+
+        install()
 
 
 TINY_MERGES = ["H e", "l l", "ll o"]
