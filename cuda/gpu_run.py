@@ -5,7 +5,8 @@ intrinsics, raw launch, graph replay; if it fails nothing else runs), then every
 tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in full and bench modes the
 benchmarks (`cmpchat bench decode` on the 9B and 27B shapes, with llama.cpp when the archive that
 cuda/build_llama_cpp.sh packs is carried, and the GEMV micro-benchmark), in prefill mode `cmpchat bench
-prefill` with the GEMM and chunked-GDN micro-benchmarks; their JSON lands beside the summary.
+prefill` with the GEMM, prefill-attention and chunked-GDN micro-benchmarks; their JSON lands beside the
+summary.
 
 Results go to the results folder: log.txt (written by gpu_run.sh), selftest.xml and tests.xml (JUnit,
 with the properties tests record, e.g. launch overheads), summary.json and summary.txt, so a later session
@@ -73,7 +74,7 @@ def run_pytest(files: list[str], marker: str, junit: Path, timeout: int, extra: 
     return _timed(command, timeout=max(deadline - time.monotonic(), 1))
 
 
-def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str) -> dict:
+def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str, tokens: list[int]) -> dict:
     """The measurements: decode (bench and full modes), prompt processing (prefill mode), or the tuning
     sweeps (sweep mode: each compiles and times dozens of kernel variants, so they get a device call of
     their own)."""
@@ -89,7 +90,8 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str)
             "attention_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.attention_bench"],
         }
     elif mode == "prefill":
-        prefill = [sys.executable, "-m", "cmpchat", "bench", "prefill", *shapes, "--folder", BENCH_FOLDER,
+        lengths = ["--tokens", *map(str, tokens)] if tokens else []
+        prefill = [sys.executable, "-m", "cmpchat", "bench", "prefill", *shapes, *lengths, "--folder", BENCH_FOLDER,
                    "--json", str(results / "bench_prefill.json"), *llama]  # fmt: skip
         commands = {
             "prefill": prefill,
@@ -102,6 +104,17 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str)
                 "512",
                 "2048",
             ],
+            "attention_prefill": [
+                sys.executable,
+                "-m",
+                "cmpchat.cuda.kernels.attention_prefill",
+                *kernel_shapes,
+                "--context",
+                "256",
+                "4096",
+                "16384",
+                "65536",
+            ],  # fmt: skip
             "gdn_chunked": [
                 sys.executable,
                 "-m",
@@ -173,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the GPU tests (use cuda/gpu_run.sh).")
     parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench", "prefill", "sweep"], default="quick")
     parser.add_argument("--shapes", nargs="+", default=["9B", "27B"], help="model shapes the benchmarks run")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[], help="prompt lengths (prefill mode)")
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test")
     parser.add_argument(
@@ -205,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         _write(summary, args.results)
         passed = phase["returncode"] in (0, 5)  # 5: no GPU tests selected (none written yet)
     if passed and args.mode != "quick":
-        summary["benchmarks"] = run_benchmarks(args.results, deadline, args.shapes, args.mode)
+        summary["benchmarks"] = run_benchmarks(args.results, deadline, args.shapes, args.mode, args.tokens)
         passed = all(b["returncode"] == 0 for b in summary["benchmarks"].values())
     if phase["returncode"] != 0 and "gpu_tests" not in summary["phases"]:
         print("\nself-test failed: the other GPU tests were not run", flush=True)

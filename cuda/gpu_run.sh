@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One command for a bare GPU machine: install the carried wheels, run the GPU self-test, then the GPU tests.
 #
-#   bash cuda/gpu_run.sh [quick|full|bench|prefill|sweep] [--budget SECONDS] [--timeout SECONDS] [-- PYTEST ARGS...]
+#   bash cuda/gpu_run.sh [quick|full|bench|prefill|sweep] [--budget SECONDS] [--timeout SECONDS] [--tokens N...] [-- PYTEST ARGS...]
 #
 #   quick (default): the self-test, then `pytest -m "gpu and not slow"` over every test module with GPU tests
 #   full:            the self-test, `pytest -m gpu`, then the benchmarks (cmpchat bench decode, GEMV)
 #   bench:           the self-test, then the benchmarks only (add --shapes 9B 27B ... to choose)
 #   prefill:         the self-test, then prompt tok/s (cmpchat bench prefill, with llama.cpp when carried) and the
-#                    prefill kernels' micro-benchmarks (DP4A GEMM, chunked Gated DeltaNet)
+#                    prefill kernels' micro-benchmarks (DP4A GEMM, prefill attention, chunked Gated DeltaNet)
 #   sweep:           the self-test, then the tuning sweeps (GEMV tilings, decode-attention tilings)
 #
 # Expects the repository as working directory's parent of cuda/ and, where packages are missing (the

@@ -44,8 +44,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prefill = kinds.add_parser("prefill", help="prompt tok/s by prompt length")
     prefill.add_argument("models", nargs="*", default=["9B"], metavar="MODEL",
                          help=f"a released size ({', '.join(BENCH_SHAPES)}) or a GGUF file (default: 9B)")  # fmt: skip
-    prefill.add_argument("--tokens", type=int, nargs="+", default=[297, 1160, 4620], metavar="N",
-                         help="prompt lengths (default 297 1160 4620)")  # fmt: skip
+    prefill.add_argument("--tokens", type=int, nargs="+", default=[297, 1160, 4620, 18440, 65536], metavar="N",
+                         help="prompt lengths (default 297 1160 4620 18440 65536)")  # fmt: skip
     prefill.add_argument("--folder", type=Path, help="where benchmark files are built (default: the cache folder)")
     prefill.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench, to compare")
     prefill.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cmpchat.backends.cuda.memory_plan import plan_memory, prompt_scratch_bytes
+from cmpchat.backends.cuda.memory_plan import plan_memory
 from cmpchat.errors import CmpchatError
 from cmpchat.model.builder import MODEL_SHAPES, tensor_specs
 from cmpchat.model.config import LayerKind, ModelConfig
@@ -69,23 +69,24 @@ def test_more_sequences_share_the_kv_budget():
 
 
 @pytest.mark.parametrize("shape_name", ["0.8B", "9B", "27B"])
-def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name):
-    """The plan's figure for a long-prompt step holds what `PromptBuffers.allocate` takes (simulator
-    arrays are numpy, so their sizes are counted on the CPU), and it stays small beside the weights."""
+@pytest.mark.parametrize("sm_count", [68, 132])
+def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_count):
+    """The plan reserves what `PromptBuffers.allocate` takes (simulator arrays are numpy, so their sizes are
+    counted on the CPU), and it stays small beside the weights."""
     from dataclasses import fields
 
     from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS, PromptBuffers
 
     config, weights, largest = config_of(shape_name)
-    reserved = prompt_scratch_bytes(config, PROMPT_ROWS)
-    buffers = PromptBuffers.allocate(config)
-    allocated = sum(getattr(buffers, f.name).nbytes for f in fields(buffers) if f.name not in PROMPT_VIEWS)
-    assert allocated <= reserved < 0.05 * weights
+    reserved = PromptBuffers.reserved_bytes(config, sm_count, PROMPT_ROWS)
+    buffers = PromptBuffers.allocate(config, sm_count, PROMPT_ROWS)
+    allocated = sum(getattr(buffers, f.name).nbytes for f in fields(buffers) if f.name not in NOT_ALLOCATED)
+    assert allocated == reserved < 0.05 * weights
     plain = plan_memory(config, weights=weights, largest_tensor=largest, budget=2 * weights, context=8192)
     with_prompts = plan_memory(config, weights=weights, largest_tensor=largest, budget=2 * weights, context=8192,
-                               prompt_rows=PROMPT_ROWS)  # fmt: skip
+                               prompt_scratch=reserved)  # fmt: skip
     assert with_prompts.scratch == plain.scratch + reserved
 
 
-PROMPT_VIEWS = {"tokens", "positions", "page_table"}
-"""Views of `inputs`, not allocations of their own."""
+NOT_ALLOCATED = {"tokens", "positions", "page_table", "attention"}
+"""Views of `inputs`, and the attention split config."""

@@ -62,21 +62,6 @@ def weight_bytes(model_file: ModelFile, config: ModelConfig) -> int:
     return total
 
 
-def prompt_scratch_bytes(config: ModelConfig, rows: int) -> int:
-    """Activations of one long-prompt step of `rows` tokens (`prompt_step.PromptBuffers`), with its
-    attention partials at up to 4 splits per row."""
-    widest = max(
-        2 * (config.num_heads + config.num_kv_heads) * config.head_dim,
-        config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads,
-    )
-    mixed = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
-    d = config.hidden_size
-    per_row = 4 * (2 * d + d // 4 + d // 32 + widest + config.conv_dim + mixed + mixed // 4 + mixed // 32)
-    per_row += 4 * (6 + config.num_heads * config.head_dim)  # inputs, q
-    per_row += 4 * 4 * config.num_heads * (config.head_dim + 2)  # attention partials
-    return rows * per_row + 4 * config.vocab_size
-
-
 def scratch_bytes(config: ModelConfig, batch: int = 16) -> int:
     """Activations of one decode step for `batch` tokens, with room for the widest fused projection."""
     widest = max(
@@ -96,14 +81,14 @@ def plan_memory(
     budget: int,
     sequences: int = 1,
     context: int | None = None,
-    prompt_rows: int = 0,
+    prompt_scratch: int = 0,
 ) -> MemoryPlan:
-    """Fit `weights` bytes, state for `sequences` and the longest context that fits (at most `context`);
-    `prompt_rows` > 0 reserves the activations of a long-prompt step of that many tokens too."""
+    """Fit `weights` bytes, state for `sequences` and the longest context that fits (at most `context`),
+    with `prompt_scratch` bytes for the long-prompt step's buffers (`PromptBuffers.reserved_bytes`)."""
     if not 1 <= sequences <= MAX_SEQUENCES:
         raise CmpchatError(f"a GPU holds 1 to {MAX_SEQUENCES} sequence states, not {sequences}")
     recurrent = sequences * config.recurrent_state_bytes()
-    scratch = scratch_bytes(config) + (prompt_scratch_bytes(config, prompt_rows) if prompt_rows else 0)
+    scratch = scratch_bytes(config) + prompt_scratch
     fixed = weights + recurrent + scratch + RESERVE_BYTES
     per_token = sequences * config.kv_bytes_per_token()
     wanted = min(context or config.context_length, config.context_length)

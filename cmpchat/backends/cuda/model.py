@@ -11,6 +11,7 @@ Logits stay on the GPU unless asked for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,13 @@ from numba import cuda
 from cmpchat.backends.base import Backend
 from cmpchat.backends.cuda.device import gpu_info, usable_bytes
 from cmpchat.backends.cuda.memory_plan import MemoryPlan, plan_memory, weight_bytes
-from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS, PromptBuffers, prompt_launches, prompt_step_supported
+from cmpchat.backends.cuda.prompt_step import (
+    KEY_TILE,
+    PROMPT_ROWS,
+    PromptBuffers,
+    prompt_launches,
+    prompt_step_supported,
+)
 from cmpchat.backends.cuda.sampler import GpuSampler
 from cmpchat.backends.cuda.step import (
     MAX_ROWS,
@@ -89,7 +96,7 @@ class CudaBackend(Backend):
                 progress("loading weights onto the GPU", min(uploaded, total_weights), total_weights)
 
         self.weights = upload_weights(model_file, self.config, on_upload)
-        tile = DecodeAttentionConfig(num_splits=1).tile_tokens(self.config.head_dim)
+        tile = math.lcm(DecodeAttentionConfig(num_splits=1).tile_tokens(self.config.head_dim), KEY_TILE)
         page_tokens = max(tile, self.plan.context_per_sequence // tile * tile)
         self.states = SequenceStates.allocate(self.config, self.plan.sequences, page_tokens)
         self.buffers = StepBuffers.allocate(self.config)
@@ -102,8 +109,7 @@ class CudaBackend(Backend):
         # Long prompts: one step of PROMPT_ROWS tokens, captured per slot (None: the model cannot take it).
         self.prompt_buffers: PromptBuffers | None = None
         if prompt_step_supported(self.config, self.weights) is None:
-            self.prompt_buffers = PromptBuffers.allocate(self.config, PROMPT_ROWS)
-            self._prompt_splits = AttentionSplits.allocate(self.config, PROMPT_ROWS, self._sm_count)
+            self.prompt_buffers = PromptBuffers.allocate(self.config, self._sm_count, PROMPT_ROWS)
         self._prompt_steps: dict[int, tuple[list[Any], LaunchGraph | None]] = {}
         if progress is not None:
             progress("loading weights onto the GPU", total_weights, total_weights)
@@ -119,14 +125,15 @@ class CudaBackend(Backend):
     ) -> MemoryPlan:
         """What loading would allocate on GPU 0: the weights, `sequences` states and the longest context
         per sequence that fits (at most `context`); raises CmpchatError when not even a short one fits."""
+        info = gpu_info(0)
         return plan_memory(
             config,
             weights=weight_bytes(model_file, config),
             largest_tensor=max(t.n_bytes for t in model_file.tensors.values()),
-            budget=usable_bytes(gpu_info(0), gpu_mem),
+            budget=usable_bytes(info, gpu_mem),
             sequences=sequences,
             context=context,
-            prompt_rows=PROMPT_ROWS,
+            prompt_scratch=PromptBuffers.reserved_bytes(config, info.multiprocessors, PROMPT_ROWS),
         )
 
     @property
@@ -289,8 +296,9 @@ class CudaBackend(Backend):
         self.prompt_buffers.upload(ids, rows, sequence.slot, self.stream)
         step = self._prompt_steps.get(sequence.slot)
         if step is None:
-            launches = prompt_launches(self.config, self.weights, self.states, self.prompt_buffers,
-                                       self._prompt_splits, sequence.slot, self._sm_count)  # fmt: skip
+            launches = prompt_launches(
+                self.config, self.weights, self.states, self.prompt_buffers, sequence.slot, self._sm_count
+            )
             for launch in launches:  # compiles the kernels and makes them ready for capture
                 launch.run(self.stream)
             graph = LaunchGraph.capture(launches, self.stream) if self.use_graphs else None

@@ -7,7 +7,8 @@ CMP rather than bandwidth-bound. Layer by layer, as `step.decode_launches`:
     x = embed(tokens)                                                     [rows, d]
     per layer:  p = W_in rms_norm_quantize(x)
                 attention:  q, K/V cache = qk_norm_rope(p);  a = attention(q, cache) * sigmoid(gate)
-                            (each row attends to the cache up to itself: the step wrote the rows' K/V first)
+                            (FlashAttention-style, `attention_prefill`: each row attends to the cache up to
+                            itself, the step wrote the rows' K/V first; a tile of rows shares each K/V read)
                 GDN:        a = the token loop of `gated_deltanet_chunked` over the rows, state in place
                 x += W_out quantize(a)
                 x += W_down quantize(swiglu(W_gate|up rms_norm_quantize(x)))
@@ -19,15 +20,21 @@ builds and captures them once per slot; the rows' tokens and positions are uploa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from numba import cuda
 
-from cmpchat.backends.cuda.step import AttentionSplits, MatmulInputs, SequenceStates, columns, zeros
+from cmpchat.backends.cuda.step import MatmulInputs, SequenceStates, columns, zeros
 from cmpchat.backends.cuda.weights import AttentionWeights, ModelWeights, RecurrentWeights
-from cmpchat.cuda.kernels.attention import decode_attention
+from cmpchat.cuda.kernels.attention_prefill import (
+    ENGINE_TILING,
+    PrefillAttentionConfig,
+    partial_buffer_shapes,
+    prefill_attention,
+)
 from cmpchat.cuda.kernels.elementwise import embed_q8_0
 from cmpchat.cuda.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.cuda.kernels.gated_deltanet_chunked import DEFAULT_CHUNK, check_prefill_shape, prefill_launches
@@ -38,6 +45,10 @@ from cmpchat.model.config import ModelConfig
 PROMPT_ROWS = 256
 """Tokens per long-prompt step: well into the GEMM's dp4a-bound regime (from ~64 tokens on a CMP), while
 the activations stay small (~90 MB at 27B) and a prompt's tail below it takes the 16-row step."""
+
+
+KEY_TILE = PrefillAttentionConfig(num_splits=1, **ENGINE_TILING).tile_keys
+"""Keys per tile of the step's attention: cache pages must hold whole tiles."""
 
 
 def prompt_step_supported(config: ModelConfig, weights: ModelWeights) -> str | None:
@@ -75,40 +86,68 @@ class PromptBuffers:
     m_quants: Any
     m_scales: Any
     q: Any  # fp32 [rows, H, hd]
+    attention: PrefillAttentionConfig
+    partial_acc: Any  # fp32 [rows, H, splits, hd]: prefill attention's per-split partials
+    partial_ml: Any  # fp32 [rows, H, splits, 2]
     logits: Any  # fp32 [1, V]: the last row's
     inv_freq: Any
     freq_axis: Any
 
     @staticmethod
-    def widths(config: ModelConfig) -> tuple[int, int]:
-        """(widest fused input projection, widest mixer or MLP activation) in values."""
-        attention = 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
-        recurrent = config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads
-        mixed = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
-        return max(attention, recurrent), mixed
+    def attention_config(config: ModelConfig, rows: int, sm_count: int) -> PrefillAttentionConfig:
+        """How the step's attention is split over keys to fill `sm_count` SMs."""
+        return PrefillAttentionConfig.splits_for(rows, config.num_heads, config.num_kv_heads, sm_count,
+                                                 **ENGINE_TILING)  # fmt: skip
 
     @classmethod
-    def allocate(cls, config: ModelConfig, rows: int = PROMPT_ROWS) -> PromptBuffers:
-        widest, mixed = cls.widths(config)
+    def layout(cls, config: ModelConfig, sm_count: int, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Shape and dtype of every buffer the step allocates (the rows' inputs as one int32 array)."""
         d = config.hidden_size
+        widest = max(
+            2 * (config.num_heads + config.num_kv_heads) * config.head_dim,
+            config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads,
+        )
+        mixed = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
+        attention = cls.attention_config(config, rows, sm_count)
+        acc_shape, ml_shape = partial_buffer_shapes(rows, config.num_heads, config.head_dim, attention)
+        f32, u32 = np.float32, np.uint32
+        return {
+            "inputs": ((6 * rows,), np.int32),
+            "hidden": ((rows, d), f32),
+            "normalized": ((rows, d), f32),
+            "x_quants": ((rows, d // 4), u32),
+            "x_scales": ((rows, d // 32), f32),
+            "projection": ((rows, widest), f32),
+            "conv_out": ((rows, config.conv_dim), f32),
+            "mixed": ((rows, mixed), f32),
+            "m_quants": ((rows, mixed // 4), u32),
+            "m_scales": ((rows, mixed // 32), f32),
+            "q": ((rows, config.num_heads, config.head_dim), f32),
+            "partial_acc": (acc_shape, f32),
+            "partial_ml": (ml_shape, f32),
+            "logits": ((1, config.vocab_size), f32),
+        }
+
+    @classmethod
+    def reserved_bytes(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> int:
+        """What `allocate` takes on the GPU, for the memory plan."""
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
-        inputs = cuda.device_array(6 * rows, np.int32)
+        arrays = sum(
+            math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in cls.layout(config, sm_count, rows).values()
+        )
+        return arrays + rope.inv_freq.nbytes + rope.freq_axis.nbytes
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> PromptBuffers:
+        arrays = {name: zeros(shape, dtype) for name, (shape, dtype) in cls.layout(config, sm_count, rows).items()}
+        inputs = arrays["inputs"]
+        rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
         return cls(
-            inputs=inputs,
+            **arrays,
             tokens=inputs[:rows],
             positions=inputs[rows : 5 * rows].reshape(rows, 4),
             page_table=inputs[5 * rows :].reshape(rows, 1),
-            hidden=zeros((rows, d)),
-            normalized=zeros((rows, d)),
-            x_quants=zeros((rows, d // 4), np.uint32),
-            x_scales=zeros((rows, d // 32)),
-            projection=zeros((rows, widest)),
-            conv_out=zeros((rows, config.conv_dim)),
-            mixed=zeros((rows, mixed)),
-            m_quants=zeros((rows, mixed // 4), np.uint32),
-            m_scales=zeros((rows, mixed // 32)),
-            q=zeros((rows, config.num_heads, config.head_dim)),
-            logits=zeros((1, config.vocab_size)),
+            attention=cls.attention_config(config, rows, sm_count),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
         )
@@ -132,7 +171,6 @@ def prompt_launches(
     weights: ModelWeights,
     states: SequenceStates,
     buffers: PromptBuffers,
-    splits: AttentionSplits,
     slot: int,
     sm_count: int,
 ) -> list[Launch]:
@@ -157,8 +195,8 @@ def prompt_launches(
                                     b.freq_axis, eps, b.q, k_cache, v_cache)
             )  # fmt: skip
             attended = columns(b.mixed, rows, config.num_heads * config.head_dim)
-            launches += decode_attention(b.q, projection, b.positions, b.page_table, k_cache, v_cache,
-                                         splits.partial_acc, splits.partial_ml, attended, splits.config)  # fmt: skip
+            launches += prefill_attention(b.q, projection, b.positions, b.page_table, k_cache, v_cache,
+                                          b.partial_acc, b.partial_ml, attended, b.attention)  # fmt: skip
         else:
             assert isinstance(mixer, RecurrentWeights)
             projection = columns(b.projection, rows, mixer.projection.rows)
