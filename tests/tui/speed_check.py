@@ -53,16 +53,15 @@ def run_app(model: str | None, tokens: int, size: tuple[int, int]) -> float:
     command = [sys.executable, "-m", "cmpchat", *source]
     use_tmux = shutil.which("tmux") and os.environ.get("CMPCHAT_SPEED_TERMINAL") != "pty"
     terminal = TmuxTerminal(command, env, size) if use_tmux else PtyTerminal(command, env, size)
+    started = time.monotonic()
     try:
-        try:
-            _wait(terminal.ready, 300)
-        except TimeoutError:
-            raise SystemExit(f"the app showed no loaded model within 300 s; its screen:\n{terminal.screen()}") from None
+        _wait(terminal.ready, 300, "showed no loaded model", terminal)
+        print(f"  the app loaded the model in {time.monotonic() - started:.0f} s; sending the prompt", flush=True)
         terminal.type(PROMPT)
         time.sleep(0.3)
         terminal.enter()
         database = home / "data" / "cmpchat" / "history.sqlite3"
-        _wait(lambda: _finished_speed(database) is not None, 600)
+        _wait(lambda: _finished_speed(database) is not None, 600, "saved no finished reply", terminal)
         return _finished_speed(database) or 0.0
     finally:
         terminal.close()
@@ -160,11 +159,12 @@ def _finished_speed(database: Path) -> float | None:
     return json.loads(row[0])["decode_tokens_per_second"] if row else None
 
 
-def _wait(condition, timeout: float) -> None:
+def _wait(condition, timeout: float, failure: str, terminal) -> None:
+    """Until `condition()`; after `timeout` seconds, exit saying `failure`, with the app's screen."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError
+            raise SystemExit(f"the app {failure} within {timeout:.0f} s; its screen:\n{terminal.screen()}")
         time.sleep(0.25)
 
 
@@ -183,9 +183,11 @@ def main() -> None:
         from cmpchat.bench.model_files import bench_model_path
 
         args.model = str(bench_model_path(args.model, args.folder))
+        print(f"model: {args.model}", flush=True)
     cli, app = [], []
     for round_ in range(args.rounds):
         cli.append(run_cli(args.model, args.tokens))
+        print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s; starting the app", flush=True)
         app.append(run_app(args.model, args.tokens, size))  # type: ignore[arg-type]
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s, app {app[-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(app) / statistics.median(cli)
