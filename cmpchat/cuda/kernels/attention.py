@@ -241,20 +241,25 @@ def attention_combine(partial_acc, partial_ml, qkv, positions, capacity, tile, m
     length = cache_index + 1
     per_split = split_tokens(length, partial_acc.shape[2], min_split_tokens, tile)
     active = (length + per_split - 1) // per_split  # the splits the partial kernel wrote
+    out[row, head * head_dim + dim] = merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active)
+
+
+@cuda.jit(device=True, inline=True)
+def merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active):
+    """Dim `dim` of (row, head)'s attention output: its first `active` split partials merged with weights
+    exp(m_s - max), normalised, times sigmoid(gate) (the gate read from the fused projection output)."""
+    head_dim = partial_acc.shape[3]
     top = _NEG
     for s in range(active):
         top = max(top, partial_ml[row, head, s, 0])
-    weights = cuda.shared.array(MAX_SPLITS, float32)
-    for s in range(dim, active, head_dim):
-        weights[s] = math.exp(partial_ml[row, head, s, 0] - top)
-    cuda.syncthreads()
     total = float32(0)
     norm = float32(0)
     for s in range(active):
-        total += weights[s] * partial_acc[row, head, s, dim]
-        norm += weights[s] * partial_ml[row, head, s, 1]
+        weight = math.exp(partial_ml[row, head, s, 0] - top)
+        total += weight * partial_acc[row, head, s, dim]
+        norm += weight * partial_ml[row, head, s, 1]
     gate = qkv[row, (2 * head + 1) * head_dim + dim]
-    out[row, head * head_dim + dim] = total / norm / (float32(1) + math.exp(-gate))
+    return total / norm / (float32(1) + math.exp(-gate))
 
 
 # --- launchers -------------------------------------------------------------------------------------------

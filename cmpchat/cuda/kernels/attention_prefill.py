@@ -103,6 +103,7 @@ from cmpchat.cuda.kernels.attention import (
     _seconds_per_call,
     _words,
     check_kv_cache,
+    merge_splits_gated,
     split_tokens,
 )
 from cmpchat.cuda.launch import Launch, check_array
@@ -513,17 +514,7 @@ def attention_prefill_combine(
     length, _ = query_tile_extent(positions, row // query_tokens * query_tokens, query_tokens, capacity)
     per_split = split_tokens(length, partial_acc.shape[2], min_split_tokens, tile)
     active = (index + per_split) // per_split  # the splits holding keys 0..index, each at least one
-    top = _NEG
-    for s in range(active):
-        top = max(top, partial_ml[row, head, s, 0])
-    total = float32(0)
-    norm = float32(0)
-    for s in range(active):
-        weight = math.exp(partial_ml[row, head, s, 0] - top)
-        total += weight * partial_acc[row, head, s, dim]
-        norm += weight * partial_ml[row, head, s, 1]
-    gate = qkv[row, (2 * head + 1) * head_dim + dim]
-    out[row, head * head_dim + dim] = total / norm / (float32(1) + math.exp(-gate))
+    out[row, head * head_dim + dim] = merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active)
 
 
 # --- launcher --------------------------------------------------------------------------------------------
