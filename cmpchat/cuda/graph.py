@@ -86,6 +86,28 @@ class LaunchGraph:
         return len(self.launches)
 
 
+class StepLaunches:
+    """A step's launches, replayed from a captured graph, or run one by one when graphs are off."""
+
+    def __init__(self, launches: list[Launch], stream: Any, use_graph: bool) -> None:
+        self.launches = launches
+        self.graph = LaunchGraph.capture(launches, stream) if use_graph else None
+
+    @classmethod
+    def run_then_capture(cls, launches: list[Launch], stream: Any, use_graph: bool) -> StepLaunches:
+        """Run the launches once now, eagerly (which compiles and loads their kernels), then capture them."""
+        for launch in launches:
+            launch.run(stream)
+        return cls(launches, stream, use_graph)
+
+    def run(self, stream: Any) -> None:
+        if self.graph is not None:
+            self.graph.replay(stream)
+        else:
+            for launch in self.launches:
+                launch.run(stream)
+
+
 def _record(launches: tuple[RawLaunch, ...], handle: int) -> Any:
     """Stream-capture the launches into a graph; a failed launch ends the capture and re-raises."""
     mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL

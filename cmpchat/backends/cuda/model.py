@@ -39,7 +39,7 @@ from cmpchat.backends.cuda.step import (
     fill_zero,
 )
 from cmpchat.backends.cuda.weights import upload_weights
-from cmpchat.cuda.graph import LaunchGraph
+from cmpchat.cuda.graph import StepLaunches
 from cmpchat.cuda.kernels.attention import DecodeAttentionConfig
 from cmpchat.cuda.kernels.gemv import token_bucket
 from cmpchat.errors import CmpchatError
@@ -104,13 +104,13 @@ class CudaBackend(Backend):
         self._sm_count = info.multiprocessors
         self._free_slots = list(range(self.plan.sequences))[::-1]
         # (bucket, rows are one prompt's tokens) -> the step's launches, attention scratch and graph
-        self._steps: dict[tuple[int, bool], tuple[list[Any], AttentionSplits, LaunchGraph | None]] = {}
+        self._steps: dict[tuple[int, bool], StepLaunches] = {}
         self._sampler = GpuSampler(self.stream, use_graphs)
         # Long prompts: one step of PROMPT_ROWS tokens, captured per slot (None: the model cannot take it).
         self.prompt_buffers: PromptBuffers | None = None
         if prompt_step_supported(self.config, self.weights) is None:
             self.prompt_buffers = PromptBuffers.allocate(self.config, self._sm_count, PROMPT_ROWS)
-        self._prompt_steps: dict[int, tuple[list[Any], LaunchGraph | None]] = {}
+        self._prompt_steps: dict[int, StepLaunches] = {}
         if progress is not None:
             progress("loading weights onto the GPU", total_weights, total_weights)
 
@@ -299,17 +299,9 @@ class CudaBackend(Backend):
             launches = prompt_launches(
                 self.config, self.weights, self.states, self.prompt_buffers, sequence.slot, self._sm_count
             )
-            for launch in launches:  # compiles the kernels and makes them ready for capture
-                launch.run(self.stream)
-            graph = LaunchGraph.capture(launches, self.stream) if self.use_graphs else None
-            self._prompt_steps[sequence.slot] = (launches, graph)
+            self._prompt_steps[sequence.slot] = StepLaunches.run_then_capture(launches, self.stream, self.use_graphs)
         else:
-            launches, graph = step
-            if graph is not None:
-                graph.replay(self.stream)
-            else:
-                for launch in launches:
-                    launch.run(self.stream)
+            step.run(self.stream)
         sequence.length += len(ids)
         sequence.next_position = int(rows[-1, 1:].max()) + 1
         return CudaLogits(self.prompt_buffers.logits, 1)
@@ -317,35 +309,24 @@ class CudaBackend(Backend):
     def _run(self, bucket: int, prompt: bool) -> None:
         step = self._steps.get((bucket, prompt))
         if step is None:
-            splits = AttentionSplits.allocate(self.config, bucket, self._sm_count)
+            splits = AttentionSplits.allocate(self.config, bucket, self._sm_count)  # held by the launches
             launches = decode_launches(
                 self.config, self.weights, self.states, self.buffers, splits, bucket, self._sm_count,
                 tokens_per_sequence=bucket if prompt else 1,
             )  # fmt: skip
-            step = (launches, splits, None)
-            self._steps[bucket, prompt] = step
-            # The first step runs eagerly: it compiles the kernels and makes them ready for capture.
-            for launch in launches:
-                launch.run(self.stream)
-            if self.use_graphs:
-                self._steps[bucket, prompt] = (launches, splits, LaunchGraph.capture(launches, self.stream))
-            return
-        launches, _, graph = step
-        if graph is not None:
-            graph.replay(self.stream)
+            self._steps[bucket, prompt] = StepLaunches.run_then_capture(launches, self.stream, self.use_graphs)
         else:
-            for launch in launches:
-                launch.run(self.stream)
+            step.run(self.stream)
 
     # -- benchmarks ---------------------------------------------------------------------------------------
 
     def step_launches(self, rows: int) -> list[Any]:
         """The launches of a decode step of `rows` sequences, as last run (run a step of that size first)."""
-        return self._steps[token_bucket(rows), False][0]
+        return self._steps[token_bucket(rows), False].launches
 
     def prompt_step_launches(self, sequence: CudaSequence) -> list[Any]:
         """The launches of `sequence`'s long-prompt step, as last run (feed it a long prompt first)."""
-        return self._prompt_steps[sequence.slot][0]
+        return self._prompt_steps[sequence.slot].launches
 
     def skip_ahead(self, sequence: CudaSequence, length: int) -> None:
         """Benchmarks only: make `sequence` `length` tokens long without running those tokens. Its cached

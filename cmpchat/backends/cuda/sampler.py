@@ -23,7 +23,7 @@ import numpy as np
 from numba import cuda
 
 from cmpchat.cuda.driver_api import check, stream_handle
-from cmpchat.cuda.graph import LaunchGraph
+from cmpchat.cuda.graph import StepLaunches
 from cmpchat.cuda.intrinsics import SIMULATOR
 from cmpchat.cuda.kernels.sampling import (
     PARAM_COUNT,
@@ -83,8 +83,8 @@ class _Selection:
     inputs: _PackedInputs
     tokens: Any  # int32 [B] on the device, written by the kernels
     chosen: np.ndarray  # int32 [B] pinned: the tokens' host copy
-    greedy: _LaunchList
-    sampled: _LaunchList
+    greedy: StepLaunches
+    sampled: StepLaunches
     packed_params: tuple[SamplingParams, ...] | None = None
     """The settings last packed into the staged parameters (settings rarely change between steps)."""
 
@@ -142,8 +142,7 @@ class GpuSampler:
             last = "window"
         stream = self.stream
         inputs.upload(inputs.end[last], stream)
-        graph = selection.greedy if greedy else selection.sampled
-        graph.replay(stream)
+        (selection.greedy if greedy else selection.sampled).run(stream)
         return selection.fetch(stream)
 
     def _selection(self, logits: Any, batch: int, width: int) -> _Selection:
@@ -169,27 +168,8 @@ class GpuSampler:
             inputs,
             tokens,
             cuda.pinned_array(batch, np.int32),
-            _LaunchList.capture(greedy, self.stream, self.use_graphs),
-            _LaunchList.capture(sampled, self.stream, self.use_graphs),
+            StepLaunches(greedy, self.stream, self.use_graphs),
+            StepLaunches(sampled, self.stream, self.use_graphs),
         )
         self._by_batch[batch] = selection
         return selection
-
-
-class _LaunchList:
-    """Launches replayed as a captured graph, or one by one through Numba when graphs are off."""
-
-    def __init__(self, launches: list[Any], graph: LaunchGraph | None) -> None:
-        self.launches = launches
-        self.graph = graph
-
-    @classmethod
-    def capture(cls, launches: list[Any], stream: Any, use_graphs: bool) -> _LaunchList:
-        return cls(launches, LaunchGraph.capture(launches, stream) if use_graphs else None)
-
-    def replay(self, stream: Any) -> None:
-        if self.graph is not None:
-            self.graph.replay(stream)
-        else:
-            for launch in self.launches:
-                launch.run(stream)
