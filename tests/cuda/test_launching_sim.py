@@ -10,7 +10,7 @@ from numba import cuda
 
 from cmpchat.cuda import selftest_kernels as k
 from cmpchat.cuda.device_scalars import DeviceScalars
-from cmpchat.cuda.graph import LaunchGraph
+from cmpchat.cuda.graph import LaunchGraph, StepLaunches
 from cmpchat.cuda.launch import Launch
 from cmpchat.cuda.raw_launch import RawLaunch
 
@@ -53,6 +53,23 @@ def test_graph_replays_read_device_scalars_set_between_replays():
     stream.synchronize()
     np.testing.assert_allclose(values.copy_to_host(), expected)
     assert len(graph) == 3
+
+
+@pytest.mark.parametrize("use_graph", [True, False])
+def test_a_step_runs_once_when_built_then_once_per_run(use_graph):
+    values = cuda.to_device(np.ones(8, dtype=np.float32))
+    stream = cuda.stream()
+    step = StepLaunches.run_then_capture([Launch(k.scale_all, 1, 32, (values, np.float32(2.0)))], stream, use_graph)
+    stream.synchronize()
+    assert (step.graph is not None) == use_graph
+    np.testing.assert_array_equal(values.copy_to_host(), 2)
+    step.run(stream)
+    step.run(stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(values.copy_to_host(), 8)
+    StepLaunches(step.launches, stream, use_graph)  # building without running leaves the values alone
+    stream.synchronize()
+    np.testing.assert_array_equal(values.copy_to_host(), 8)
 
 
 def test_device_scalars_are_one_element_views_of_one_array():
