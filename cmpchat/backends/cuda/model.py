@@ -103,7 +103,7 @@ class CudaBackend(Backend):
         self.stream = cuda.stream()
         self._sm_count = info.multiprocessors
         self._free_slots = list(range(self.plan.sequences))[::-1]
-        # (bucket, rows are one prompt's tokens) -> the step's launches, attention scratch and graph
+        # (bucket, rows are one prompt's tokens) -> the step (its launches hold their attention scratch)
         self._steps: dict[tuple[int, bool], StepLaunches] = {}
         self._sampler = GpuSampler(self.stream, use_graphs)
         # Long prompts: one step of PROMPT_ROWS tokens, captured per slot (None: the model cannot take it).
