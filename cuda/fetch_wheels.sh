@@ -25,7 +25,10 @@ WHEELS=(
     rich==15.0.0
     markdown-it-py==4.3.0
     mdit-py-plugins==0.7.0
+    linkify-it-py==2.2.0
     pytest-asyncio==1.5.0
+    # speed_check.py dumps the app's threads with it when the app stalls
+    py-spy==0.4.3
 )
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 

@@ -41,7 +41,7 @@ def run_cli(model: str | None, tokens: int) -> float:
     return float(match.group(2))
 
 
-def run_app(model: str | None, tokens: int, size: tuple[int, int]) -> float:
+def run_app(model: str | None, tokens: int, size: tuple[int, int], timeout: float) -> float:
     home = Path(tempfile.mkdtemp(prefix="cmpchat-speed-"))
     config = home / "config" / "cmpchat" / "config.toml"
     config.parent.mkdir(parents=True)
@@ -61,7 +61,7 @@ def run_app(model: str | None, tokens: int, size: tuple[int, int]) -> float:
         time.sleep(0.3)
         terminal.enter()
         database = home / "data" / "cmpchat" / "history.sqlite3"
-        _wait(lambda: _finished_speed(database) is not None, 600, "saved no finished reply", terminal)
+        _wait(lambda: _finished_speed(database) is not None, timeout, "saved no finished reply", terminal)
         return _finished_speed(database) or 0.0
     finally:
         terminal.close()
@@ -76,8 +76,9 @@ class TmuxTerminal:
     def __init__(self, command: list[str], env: dict[str, str], size: tuple[int, int]) -> None:
         self.tmux = ["tmux", "-L", f"cmpchat-speed-{os.getpid()}"]
         line = " ".join(shlex.quote(p) for p in ["env", *(f"{k}={v}" for k, v in env.items()), *command])
-        subprocess.run([*self.tmux, "new-session", "-d", "-s", "s", "-x", str(size[0]), "-y", str(size[1]), line],
-                       check=True)  # fmt: skip
+        # The pane outlives the app, so an app that exits leaves its last screen (a traceback) to read.
+        subprocess.run([*self.tmux, "new-session", "-d", "-s", "s", "-x", str(size[0]), "-y", str(size[1]), line,
+                        ";", "set-option", "-t", "s", "remain-on-exit", "on"], check=True)  # fmt: skip
 
     def screen(self) -> str:
         return subprocess.run([*self.tmux, "capture-pane", "-p", "-t", "s"], capture_output=True, text=True).stdout
@@ -90,6 +91,11 @@ class TmuxTerminal:
 
     def enter(self) -> None:
         subprocess.run([*self.tmux, "send-keys", "-t", "s", "Enter"], check=True)
+
+    def stacks(self) -> str:
+        pid = subprocess.run([*self.tmux, "display-message", "-p", "-t", "s", "#{pane_pid}"], capture_output=True,
+                             text=True).stdout.strip()  # fmt: skip
+        return _thread_stacks(int(pid)) if pid.isdigit() else "(no pane process)"
 
     def close(self) -> None:
         subprocess.run([*self.tmux, "kill-server"], capture_output=True)
@@ -140,6 +146,9 @@ class PtyTerminal:
     def enter(self) -> None:
         os.write(self.master, b"\r")
 
+    def stacks(self) -> str:
+        return _thread_stacks(self.process.pid)
+
     def close(self) -> None:
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -147,6 +156,17 @@ class PtyTerminal:
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(self.process.pid, signal.SIGKILL)
         os.close(self.master)
+
+
+def _thread_stacks(pid: int) -> str:
+    """Every thread's Python stack in the app's process (py-spy, where installed): what a stalled app waits on."""
+    # A wheel installed with --target (the GPU machine's carried wheels) puts it in bin/ beside the packages.
+    candidates = [shutil.which("py-spy"), *(str(Path(p) / "bin" / "py-spy") for p in sys.path if p)]
+    py_spy = next((c for c in candidates if c and Path(c).exists()), None)
+    if not py_spy:
+        return "(py-spy is not installed: no thread stacks)"
+    dump = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+    return f"the app's threads (py-spy dump):\n{dump.stdout}{dump.stderr}"
 
 
 def _finished_speed(database: Path) -> float | None:
@@ -164,7 +184,9 @@ def _wait(condition, timeout: float, failure: str, terminal) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise SystemExit(f"the app {failure} within {timeout:.0f} s; its screen:\n{terminal.screen()}")
+            raise SystemExit(
+                f"the app {failure} within {timeout:.0f} s; its screen:\n{terminal.screen()}\n{terminal.stacks()}"
+            )
         time.sleep(0.25)
 
 
@@ -176,6 +198,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", default="160x48")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds the app may take for one reply")
     args = parser.parse_args()
     size = tuple(int(v) for v in args.size.split("x"))
     if args.model:
@@ -188,7 +211,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         cli.append(run_cli(args.model, args.tokens))
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s; starting the app", flush=True)
-        app.append(run_app(args.model, args.tokens, size))  # type: ignore[arg-type]
+        app.append(run_app(args.model, args.tokens, size, args.timeout))  # type: ignore[arg-type]
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s, app {app[-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(app) / statistics.median(cli)
     print(
