@@ -28,6 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Tell me a story about a GPU"
+PROFILE_SECONDS = 3
+"""How long `--profile` samples the app from the moment the prompt is sent."""
 RUN_SPEED = re.compile(r"reply: (\d+) tokens, ([\d.]+) tok/s")
 
 
@@ -41,7 +43,7 @@ def run_cli(model: str | None, tokens: int) -> float:
     return float(match.group(2))
 
 
-def run_app(model: str | None, tokens: int, size: tuple[int, int], timeout: float) -> float:
+def run_app(model: str | None, tokens: int, size: tuple[int, int], timeout: float, profile: Path | None) -> float:
     home = Path(tempfile.mkdtemp(prefix="cmpchat-speed-"))
     config = home / "config" / "cmpchat" / "config.toml"
     config.parent.mkdir(parents=True)
@@ -60,8 +62,12 @@ def run_app(model: str | None, tokens: int, size: tuple[int, int], timeout: floa
         terminal.type(PROMPT)
         time.sleep(0.3)
         terminal.enter()
+        recorder = _record_gil(terminal.pid(), PROFILE_SECONDS, profile) if profile else None
         database = home / "data" / "cmpchat" / "history.sqlite3"
         _wait(lambda: _finished_speed(database) is not None, timeout, "saved no finished reply", terminal)
+        if recorder is not None:
+            recorder.wait(PROFILE_SECONDS + 30)
+            print(f"  GIL profile of the app: {profile}", flush=True)
         return _finished_speed(database) or 0.0
     finally:
         terminal.close()
@@ -92,10 +98,10 @@ class TmuxTerminal:
     def enter(self) -> None:
         subprocess.run([*self.tmux, "send-keys", "-t", "s", "Enter"], check=True)
 
-    def stacks(self) -> str:
+    def pid(self) -> int | None:
         pid = subprocess.run([*self.tmux, "display-message", "-p", "-t", "s", "#{pane_pid}"], capture_output=True,
                              text=True).stdout.strip()  # fmt: skip
-        return _thread_stacks(int(pid)) if pid.isdigit() else "(no pane process)"
+        return int(pid) if pid.isdigit() else None
 
     def close(self) -> None:
         subprocess.run([*self.tmux, "kill-server"], capture_output=True)
@@ -146,8 +152,8 @@ class PtyTerminal:
     def enter(self) -> None:
         os.write(self.master, b"\r")
 
-    def stacks(self) -> str:
-        return _thread_stacks(self.process.pid)
+    def pid(self) -> int | None:
+        return self.process.pid
 
     def close(self) -> None:
         try:
@@ -158,15 +164,31 @@ class PtyTerminal:
         os.close(self.master)
 
 
-def _thread_stacks(pid: int) -> str:
-    """Every thread's Python stack in the app's process (py-spy, where installed): what a stalled app waits on."""
+def _py_spy() -> str | None:
     # A wheel installed with --target (the GPU machine's carried wheels) puts it in bin/ beside the packages.
     candidates = [shutil.which("py-spy"), *(str(Path(p) / "bin" / "py-spy") for p in sys.path if p)]
-    py_spy = next((c for c in candidates if c and Path(c).exists()), None)
-    if not py_spy:
-        return "(py-spy is not installed: no thread stacks)"
+    return next((c for c in candidates if c and Path(c).exists()), None)
+
+
+def _thread_stacks(pid: int | None) -> str:
+    """Every thread's Python stack in the app's process (py-spy, where installed): what a stalled app waits on."""
+    py_spy = _py_spy()
+    if not py_spy or pid is None:
+        return "(py-spy is not installed or the app has exited: no thread stacks)"
     dump = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
     return f"the app's threads (py-spy dump):\n{dump.stdout}{dump.stderr}"
+
+
+def _record_gil(pid: int | None, seconds: float, output: Path) -> subprocess.Popen | None:
+    """Sample which thread holds the GIL for `seconds` (py-spy record --gil, collapsed stacks), in the
+    background: where the app's Python time goes while the engine generates."""
+    py_spy = _py_spy()
+    if not py_spy or pid is None:
+        print("  (py-spy is not installed: no profile)", flush=True)
+        return None
+    command = [py_spy, "record", "--gil", "--threads", "-r", "250", "-f", "raw", "-d", str(max(1, round(seconds))),
+               "-o", str(output), "--pid", str(pid)]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _finished_speed(database: Path) -> float | None:
@@ -185,7 +207,7 @@ def _wait(condition, timeout: float, failure: str, terminal) -> None:
     while not condition():
         if time.monotonic() > deadline:
             raise SystemExit(
-                f"the app {failure} within {timeout:.0f} s; its screen:\n{terminal.screen()}\n{terminal.stacks()}"
+                f"the app {failure} within {timeout:.0f} s; its screen:\n{terminal.screen()}\n{_thread_stacks(terminal.pid())}"
             )
         time.sleep(0.25)
 
@@ -199,6 +221,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", default="160x48")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the app may take for one reply")
+    parser.add_argument("--profile", type=Path, help="folder for a py-spy GIL profile of the app in each round")
     args = parser.parse_args()
     size = tuple(int(v) for v in args.size.split("x"))
     if args.model:
@@ -211,7 +234,10 @@ def main() -> None:
     for round_ in range(args.rounds):
         cli.append(run_cli(args.model, args.tokens))
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s; starting the app", flush=True)
-        app.append(run_app(args.model, args.tokens, size, args.timeout))  # type: ignore[arg-type]
+        profile = args.profile / f"app-gil-{round_ + 1}.txt" if args.profile else None
+        if profile:
+            profile.parent.mkdir(parents=True, exist_ok=True)
+        app.append(run_app(args.model, args.tokens, size, args.timeout, profile))  # type: ignore[arg-type]
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s, app {app[-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(app) / statistics.median(cli)
     print(

@@ -143,12 +143,12 @@ class _DeviceProblem:
         self.out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
         self.tokens, self.mode = tokens, mode
 
-    def time(self, tiling: FusedGemvTiling, repeats: int, warmup: int) -> float:
-        """Seconds per launch."""
+    def time(self, tiling: FusedGemvTiling | None, repeats: int, warmup: int) -> float:
+        """Seconds per launch (tiling None: the unfused kernel on the quantised input at any token count)."""
         sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
         launches = []
         for quants, scales in self.weights:
-            if self.tokens == 1:
+            if self.tokens == 1 and tiling is not None:
                 launch = gemv_q8_fused_launch(quants, scales, self.x, self.out, mode=self.mode, norm_weight=self.norm,
                                               eps=1e-6, sm_count=sm_count, tiling=tiling)  # fmt: skip
             else:
@@ -161,28 +161,34 @@ SWEEP_BLOCKS_PER_SM = (1, 2, 3, 4, 6, 8)
 
 
 def sweep_tilings(model: str, repeats: int, limit: float) -> None:
-    """Time every one-token tiling on every projection of `model` and print which is fastest for a whole step
+    """Time each one-token tiling on every projection of `model` and print which is fastest for a whole step
     (each shape weighted by how often a step runs it), so the default can be chosen by measurement."""
     shape = MODEL_SHAPES[model]
     attention = sum(shape.is_attention(i) for i in range(shape.num_layers))
     runs = {"attn": attention, "gdn": shape.num_layers - attention, "ffn": shape.num_layers, "lm": 1}
     tilings = [FusedGemvTiling(steps, blocks) for steps in STEP_CHOICES for blocks in SWEEP_BLOCKS_PER_SM]
     per_step = dict.fromkeys(tilings, 0.0)
-    print(f"{model}: one-token tilings (steps, blocks per SM) -> µs per launch (% of the read bandwidth)")
+    print(f"{model}: one-token tilings (steps, blocks per SM) -> µs per launch (% of the read "
+          "bandwidth); 'quantised' is the unfused kernel on an already quantised input, the weight stream alone")  # fmt: skip
     for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
-        problem = _DeviceProblem(rows, cols, 1, mode, 0, 1 << 30)
+        problem = _DeviceProblem(rows, cols, 1, mode, 0, 256 << 20)  # 5x the H200's L2: every launch from DRAM
         nbytes = gemv_bytes_read(rows, cols, 1, mode)
         times = {tiling: problem.time(tiling, repeats, 3) for tiling in tilings}
+        quantised = problem.time(None, repeats, 3)
         for tiling, seconds in times.items():
             per_step[tiling] += runs[name.split()[0]] * seconds
         best = min(times, key=times.__getitem__)
-        row = " ".join(f"{t.steps},{t.blocks_per_sm}:{times[t] * 1e6:.1f}" for t in tilings)
-        print(f"  {name:24} best {best.steps},{best.blocks_per_sm} "
-              f"{nbytes / times[best] / 1e9 / limit:6.1%} (default {nbytes / times[DEFAULT_TILING] / 1e9 / limit:6.1%})"
-              f"  {row}")  # fmt: skip
+        row = " ".join(f"{_tiling_name(t)}:{times[t] * 1e6:.1f}" for t in tilings)
+        print(f"  {name:24} best {_tiling_name(best)} {nbytes / times[best] / 1e9 / limit:6.1%} "
+              f"(default {nbytes / times[DEFAULT_TILING] / 1e9 / limit:6.1%}, quantised {quantised * 1e6:.1f} µs "
+              f"{nbytes / quantised / 1e9 / limit:6.1%})  {row}")  # fmt: skip
     best = min(per_step, key=per_step.__getitem__)
-    print(f"  whole step: best steps={best.steps} blocks_per_sm={best.blocks_per_sm} {per_step[best] * 1e3:.3f} ms "
-          f"of GEMV per token; default {per_step[DEFAULT_TILING] * 1e3:.3f} ms")  # fmt: skip
+    print(f"  whole step: best {best} {per_step[best] * 1e3:.3f} ms of GEMV per token; "
+          f"default {per_step[DEFAULT_TILING] * 1e3:.3f} ms")  # fmt: skip
+
+
+def _tiling_name(tiling: FusedGemvTiling) -> str:
+    return f"{tiling.steps},{tiling.blocks_per_sm}"
 
 
 def main(argv: list[str] | None = None) -> None:
