@@ -17,6 +17,7 @@ from cmpchat.chat.messages import ToolCall
 from cmpchat.history.store import MessageRecord, MessageStatus
 from cmpchat.tui.format import rate, seconds
 from cmpchat.tui.session import ReplyStats
+from cmpchat.tui.widgets.streamed_markdown import StreamedMarkdown
 
 _STATUS_NOTES: dict[str, str] = {
     "stopped": "stopped",
@@ -52,17 +53,19 @@ class ReasoningBlock(Collapsible):
     """The model's reasoning: open while it streams, folded to one line once the answer starts."""
 
     def __init__(self, text: str = "", *, title: str = "thinking…", collapsed: bool = False) -> None:
-        self._text = text
-        self._body = Markdown(text, classes="reasoning-text")
-        super().__init__(self._body, title=title, collapsed=collapsed, classes="reasoning")
+        body = Markdown(text, classes="reasoning-text")
+        self._stream = StreamedMarkdown(body, text)
+        super().__init__(body, title=title, collapsed=collapsed, classes="reasoning")
 
     @property
     def text(self) -> str:
-        return self._text
+        return self._stream.text
 
     async def append(self, text: str) -> None:
-        self._text += text
-        await self._body.append(text)
+        await self._stream.append(text)
+
+    async def finish(self) -> None:
+        await self._stream.finish()
 
 
 class ToolCallView(Collapsible):
@@ -87,7 +90,7 @@ class ReplyView(Vertical):
         self.reasoning_block: ReasoningBlock | None = None
         self.markdown = Markdown(record.content if record else "", classes="body")
         self.stats_line = Static("", classes="reply-stats")
-        self.content = record.content if record else ""
+        self._stream = StreamedMarkdown(self.markdown, record.content if record else "")
         self._tools = Vertical(classes="tool-calls")
 
     def compose(self) -> ComposeResult:
@@ -109,6 +112,10 @@ class ReplyView(Vertical):
             self.show_stats(ReplyStats.from_dict(self.record.stats), self.record.status)
 
     @property
+    def content(self) -> str:
+        return self._stream.text
+
+    @property
     def reasoning(self) -> str:
         return self.reasoning_block.text if self.reasoning_block else ""
 
@@ -124,8 +131,7 @@ class ReplyView(Vertical):
         for call in tool_calls:
             await self._tools.mount(ToolCallView(call))
         if content:
-            self.content += content
-            await self.markdown.append(content)
+            await self._stream.append(content)
 
     def fold_reasoning(self, thought_seconds: float) -> None:
         if self.reasoning_block is not None and not self.reasoning_block.collapsed:
@@ -134,9 +140,9 @@ class ReplyView(Vertical):
 
     async def finish(self, content: str, status: MessageStatus, stats: ReplyStats | None) -> None:
         """End the stream; `content` is the full answer, which replaces what streamed if they differ."""
-        if content != self.content:
-            self.content = content
-            await self.markdown.update(content)
+        if self.reasoning_block is not None:
+            await self.reasoning_block.finish()
+        await self._stream.finish(content)
         self.show_stats(stats, status)
 
     def show_error(self, message: str) -> None:
