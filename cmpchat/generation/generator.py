@@ -60,23 +60,29 @@ class Generator:
                     break
             prompt_seconds = time.perf_counter() - start
             first_token_at = None
+            decode_started = 0.0
             decode_seconds = 0.0
             decode_steps = 0
             while not reply.done:
                 token = backend.sample(logits, [reply.sampling], [reply.history], [reply.rng])[0]
+                # Decode time runs from the first token to the latest, as a reader sees them: a GPU backend's
+                # decode() only queues the step, and the wait for it ends in sample().
+                now = time.perf_counter()
                 if first_token_at is None:
-                    first_token_at = time.perf_counter() - start
+                    first_token_at = now - start
+                    decode_started = now
+                else:
+                    decode_steps += 1
+                    decode_seconds = now - decode_started
                 yield from reply.accept(token)
+                if decode_steps:
+                    yield DecodeProgress(reply.generated, decode_steps / decode_seconds if decode_seconds > 0 else 0.0)
                 if reply.done:
                     break
                 if cancel is not None and cancel.is_set():
                     reply.cancel()
                     break
-                step_start = time.perf_counter()
                 logits = backend.decode([sequence], [token])
-                decode_seconds += time.perf_counter() - step_start
-                decode_steps += 1
-                yield DecodeProgress(reply.generated, decode_steps / decode_seconds if decode_seconds > 0 else 0.0)
             timings = Timings(
                 prompt_tokens=len(prompt),
                 prompt_seconds=prompt_seconds,

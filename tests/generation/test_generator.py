@@ -7,6 +7,7 @@ the tiny random model checks the same loop end to end on the reference backend.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -99,6 +100,30 @@ def test_content_streams_and_end_token_stops(tiny):
     assert finished.timings.prompt_tokens == 3
     assert finished.timings.time_to_first_token >= finished.timings.prompt_seconds
     assert sum(isinstance(e, DecodeProgress) for e in events) == finished.timings.decode_steps
+
+
+class QueuingBackend(ScriptedBackend):
+    """As a GPU backend: decode() only queues the step; the wait for it happens when sampling reads it."""
+
+    def decode(self, sequences, tokens):
+        self.queued = True
+        return super().decode(sequences, tokens)
+
+    def sample(self, logits, params, histories, rngs):
+        if getattr(self, "queued", False):
+            time.sleep(0.02)
+            self.queued = False
+        return super().sample(logits, params, histories, rngs)
+
+
+def test_decode_time_covers_the_wait_for_each_token(tiny):
+    config, tokenizer = tiny
+    script = tokenizer.encode("one two three") + [tokenizer.encode("<|im_end|>")[0]]
+    _, finished = run(Generator(QueuingBackend(config, script), tokenizer))
+    timings = finished.timings
+    assert timings.decode_steps == len(script) - 1
+    assert timings.decode_seconds >= 0.02 * timings.decode_steps
+    assert timings.decode_tokens_per_second <= 50
 
 
 def test_max_tokens_ends_with_length(tiny):

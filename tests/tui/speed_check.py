@@ -40,6 +40,7 @@ def run_cli(model: str | None, tokens: int) -> float:
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=True)
     match = RUN_SPEED.search(result.stderr)
     assert match, result.stderr
+    print(f"  cmpchat run: {match.group(1)} tokens", flush=True)
     return float(match.group(2))
 
 
@@ -65,6 +66,7 @@ def run_app(model: str | None, tokens: int, size: tuple[int, int], timeout: floa
         recorder = _record_gil(terminal.pid(), PROFILE_SECONDS, profile) if profile else None
         database = home / "data" / "cmpchat" / "history.sqlite3"
         _wait(lambda: _finished_speed(database) is not None, timeout, "saved no finished reply", terminal)
+        print(f"  the app: {_finished_stats(database)['generated_tokens']} tokens", flush=True)
         if recorder is not None:
             recorder.wait(PROFILE_SECONDS + 30)
             print(f"  GIL profile of the app: {profile}", flush=True)
@@ -191,14 +193,20 @@ def _record_gil(pid: int | None, seconds: float, output: Path) -> subprocess.Pop
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _finished_speed(database: Path) -> float | None:
+def _finished_stats(database: Path) -> dict | None:
+    """The app's statistics of its finished reply, once it has saved one."""
     if not database.exists():
         return None
     import json
 
     with sqlite3.connect(database) as db:
         row = db.execute("SELECT stats FROM messages WHERE role='assistant' AND status='complete'").fetchone()
-    return json.loads(row[0])["decode_tokens_per_second"] if row else None
+    return json.loads(row[0]) if row else None
+
+
+def _finished_speed(database: Path) -> float | None:
+    stats = _finished_stats(database)
+    return stats["decode_tokens_per_second"] if stats else None
 
 
 def _wait(condition, timeout: float, failure: str, terminal) -> None:
