@@ -130,7 +130,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
         decode = [sys.executable, "-m", "cmpchat", "bench", "decode", *shapes, "--folder", BENCH_FOLDER,
                   "--json", str(results / "bench_decode.json"), *llama]  # fmt: skip
         # The app against `cmpchat run`: on the 9B shape (a few hundred tok/s, as people use it) and on the 0.8B
-        # one at ~10,000 tok/s with long replies, where every millisecond of UI work shows.
+        # one (~670 tok/s, host-bound) with long replies, where every millisecond of UI work shows.
         app_speed = [sys.executable, "tests/tui/speed_check.py", "--folder", BENCH_FOLDER, "--rounds", "2"]
         commands = {
             "decode": decode,

@@ -65,12 +65,13 @@ def run_app(model: str | None, tokens: int, size: tuple[int, int], timeout: floa
         terminal.enter()
         recorder = _record_gil(terminal.pid(), PROFILE_SECONDS, profile) if profile else None
         database = home / "data" / "cmpchat" / "history.sqlite3"
-        _wait(lambda: _finished_speed(database) is not None, timeout, "saved no finished reply", terminal)
-        print(f"  the app: {_finished_stats(database)['generated_tokens']} tokens", flush=True)
+        _wait(lambda: _finished_stats(database) is not None, timeout, "saved no finished reply", terminal)
+        stats = _finished_stats(database)
+        print(f"  the app: {stats['generated_tokens']} tokens", flush=True)
         if recorder is not None:
             recorder.wait(PROFILE_SECONDS + 30)
             print(f"  GIL profile of the app: {profile}", flush=True)
-        return _finished_speed(database) or 0.0
+        return stats["decode_tokens_per_second"]
     finally:
         terminal.close()
 
@@ -204,11 +205,6 @@ def _finished_stats(database: Path) -> dict | None:
     return json.loads(row[0]) if row else None
 
 
-def _finished_speed(database: Path) -> float | None:
-    stats = _finished_stats(database)
-    return stats["decode_tokens_per_second"] if stats else None
-
-
 def _wait(condition, timeout: float, failure: str, terminal) -> None:
     """Until `condition()`; after `timeout` seconds, exit saying `failure`, with the app's screen."""
     deadline = time.monotonic() + timeout
@@ -238,13 +234,13 @@ def main() -> None:
 
         args.model = str(bench_model_path(args.model, args.folder))
         print(f"model: {args.model}", flush=True)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     cli, app = [], []
     for round_ in range(args.rounds):
         cli.append(run_cli(args.model, args.tokens))
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s; starting the app", flush=True)
         profile = args.profile / f"app-gil-{round_ + 1}.txt" if args.profile else None
-        if profile:
-            profile.parent.mkdir(parents=True, exist_ok=True)
         app.append(run_app(args.model, args.tokens, size, args.timeout, profile))  # type: ignore[arg-type]
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s, app {app[-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(app) / statistics.median(cli)
