@@ -3,8 +3,10 @@ and a tiny random model with a byte-level vocabulary for fast end-to-end tests."
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -30,6 +32,14 @@ def pytest_configure(config: pytest.Config) -> None:
         from tests.simulator_barrier import install
 
         install()
+
+
+@pytest.fixture(autouse=True)
+def thaw_after_test() -> Iterator[None]:
+    """Loading a model in the app or a command freezes the process's objects (cmpchat.long_lived): thawed
+    after each test, so garbage a test leaves in cycles is still freed."""
+    yield
+    gc.unfreeze()
 
 
 TINY_MERGES = ["H e", "l l", "ll o"]

@@ -9,6 +9,7 @@ from cmpchat.backends.cuda.device import parse_size
 from cmpchat.commands.progress import StderrProgress
 from cmpchat.demo import DEMO_NOTICE
 from cmpchat.engine import BACKENDS, Model, open_model
+from cmpchat.long_lived import freeze_loaded
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,7 @@ def open_from_args(args: argparse.Namespace, *, sequences: int = 1) -> Model:
         )
     finally:
         progress.close()
+    freeze_loaded()
     if model.is_demo:
         print(f"note: {DEMO_NOTICE}", file=sys.stderr)
     for line in model.backend.describe():

@@ -23,6 +23,7 @@ from cmpchat.engine import Model
 from cmpchat.errors import CmpchatError
 from cmpchat.history.images import ImageStore
 from cmpchat.history.store import HistoryStore, SearchHit
+from cmpchat.long_lived import freeze_loaded, thaw_before_replacing
 from cmpchat.model.discovery import FoundModel, default_roots, find_models
 from cmpchat.paths import data_dir
 from cmpchat.tui.gpu_sampler import GpuMonitor, GpuReading, GpuSampler, open_nvml_sampler
@@ -302,6 +303,7 @@ class CmpchatApp(App[None]):
                 last_report = now
                 self.post_message(self.LoadProgressed(stage, done, total))
 
+        thaw_before_replacing()
         try:
             model = open_requested(request, self.settings.backend, progress, self.opener)
         except CmpchatError as err:
@@ -310,6 +312,7 @@ class CmpchatApp(App[None]):
         except Exception as err:  # a driver or file problem: say so and let the person pick again
             self.post_message(self.ModelFailed(request, f"{type(err).__name__}: {err}"))
             return
+        freeze_loaded()
         self.post_message(self.ModelLoaded(request, model))
 
     def on_cmpchat_app_load_progressed(self, message: LoadProgressed) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ def test_run_streams_a_reply_and_prints_speeds(tiny_model_path, capsys):
     out, err = capsys.readouterr()
     assert out.strip()
     assert "tok/s" in err and "prompt:" in err and "reply:" in err
+    assert gc.get_freeze_count() > 0  # the loaded model stays out of collections (cmpchat.long_lived)
 
 
 def test_info_describes_the_model(tiny_model_path, capsys):

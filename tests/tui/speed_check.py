@@ -31,35 +31,96 @@ PROMPT = "Tell me a story about a GPU"
 PROFILE_SECONDS = 3
 """How long `--profile` samples the app from the moment the prompt is sent."""
 RUN_SPEED = re.compile(r"reply: (\d+) tokens, ([\d.]+) tok/s")
+GC_PROBE = """
+import atexit, gc, json, os, runpy, sys, threading, time
+_started, _totals, _written = {}, {}, [0.0]
+def _write():
+    _written[0] = time.perf_counter()
+    with open(os.environ["CMPCHAT_GC_PROBE"], "w") as f:
+        json.dump(_totals, f)
+def _note(phase, info):
+    thread = threading.current_thread().name
+    if phase == "start":
+        _started[thread] = time.perf_counter()
+        return
+    took = time.perf_counter() - _started.pop(thread, time.perf_counter())
+    key = f"{thread} gen{info['generation']}"
+    count, total, longest = _totals.get(key, (0, 0.0, 0.0))
+    _totals[key] = (count + 1, total + took, max(longest, took))
+    if time.perf_counter() - _written[0] > 0.5:
+        _write()
+gc.callbacks.append(_note)
+atexit.register(_write)
+sys.argv[0] = "cmpchat"
+runpy.run_module("cmpchat", run_name="__main__", alter_sys=True)
+"""
+"""With --gc, the commands run under this: every garbage collection's duration, summed by thread and
+generation, is written to $CMPCHAT_GC_PROBE twice a second and at exit (the app is killed: no exit)."""
 
 
-def run_cli(model: str | None, tokens: int) -> float:
-    command = [sys.executable, "-m", "cmpchat", "run", "-p", PROMPT, "-n", str(tokens), "--temp", "0", "--no-think"]
+def cmpchat_command(gc_probe: Path | None) -> tuple[list[str], dict[str, str]]:
+    """How to start cmpchat, and the environment it needs, with or without the GC probe."""
+    if gc_probe is None:
+        return [sys.executable, "-m", "cmpchat"], {}
+    return [sys.executable, "-c", GC_PROBE], {"CMPCHAT_GC_PROBE": str(gc_probe)}
+
+
+def read_gc(gc_probe: Path | None) -> dict[str, list[float]]:
+    if gc_probe is None or not gc_probe.exists():
+        return {}
+    import json
+
+    return json.loads(gc_probe.read_text())
+
+
+def print_gc(gc_probe: Path | None, who: str, before: dict[str, list[float]] | None = None) -> None:
+    """The probe's figures, less those of `before` (the collections while the model loaded)."""
+    for key, (count, total, longest) in sorted(read_gc(gc_probe).items()):
+        count -= (before or {}).get(key, [0, 0.0])[0]
+        total -= (before or {}).get(key, [0, 0.0])[1]
+        if count:
+            print(
+                f"  {who} GC {key}: {count} collections, {total * 1000:.0f} ms (longest of all {longest * 1000:.1f} ms)"
+            )
+
+
+def run_cli(model: str | None, tokens: int, gc_probe: Path | None) -> float:
+    cmpchat, probe_env = cmpchat_command(gc_probe)
+    command = [*cmpchat, "run", "-p", PROMPT, "-n", str(tokens), "--temp", "0", "--no-think"]
     if model:
         command += ["-m", model]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=True)
+    env = {**os.environ, **probe_env}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=True, env=env)
     match = RUN_SPEED.search(result.stderr)
     assert match, result.stderr
     print(f"  cmpchat run: {match.group(1)} tokens", flush=True)
+    print_gc(gc_probe, "cmpchat run")
     return float(match.group(2))
 
 
-def run_app(model: str | None, tokens: int, size: tuple[int, int], timeout: float, profile: Path | None) -> float:
+def run_app(
+    model: str | None, tokens: int, size: tuple[int, int], timeout: float, profile: Path | None, gc_probe: Path | None
+) -> float:
     home = Path(tempfile.mkdtemp(prefix="cmpchat-speed-"))
     config = home / "config" / "cmpchat" / "config.toml"
     config.parent.mkdir(parents=True)
     config.write_text(f"max_tokens = {tokens}\nthinking = false\ntemperature = 0\n")
     # The repository first, then whatever the caller put on the path (the GPU machine's carried wheels).
     python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    cmpchat, probe_env = cmpchat_command(gc_probe)
     env = {"XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data"), "PYTHONPATH": python_path}
+    env.update(probe_env)
     source = ["-m", model] if model else ["--demo"]
-    command = [sys.executable, "-m", "cmpchat", *source]
+    command = [*cmpchat, *source]
     use_tmux = shutil.which("tmux") and os.environ.get("CMPCHAT_SPEED_TERMINAL") != "pty"
     terminal = TmuxTerminal(command, env, size) if use_tmux else PtyTerminal(command, env, size)
     started = time.monotonic()
     try:
         _wait(terminal.ready, 300, "showed no loaded model", terminal)
         print(f"  the app loaded the model in {time.monotonic() - started:.0f} s; sending the prompt", flush=True)
+        if gc_probe is not None:
+            time.sleep(0.6)  # the probe's next write
+        loaded_gc = read_gc(gc_probe)
         terminal.type(PROMPT)
         time.sleep(0.3)
         terminal.enter()
@@ -68,6 +129,9 @@ def run_app(model: str | None, tokens: int, size: tuple[int, int], timeout: floa
         _wait(lambda: _finished_stats(database) is not None, timeout, "saved no finished reply", terminal)
         stats = _finished_stats(database)
         print(f"  the app: {stats['generated_tokens']} tokens", flush=True)
+        if gc_probe is not None:
+            time.sleep(0.6)  # the probe's next write
+        print_gc(gc_probe, "the app, during the reply:", loaded_gc)
         if recorder is not None:
             recorder.wait(PROFILE_SECONDS + 30)
             print(f"  GIL profile of the app: {profile}", flush=True)
@@ -226,6 +290,7 @@ def main() -> None:
     parser.add_argument("--size", default="160x48")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the app may take for one reply")
     parser.add_argument("--profile", type=Path, help="folder for a py-spy GIL profile of the app in each round")
+    parser.add_argument("--gc", action="store_true", help="time every garbage collection, by thread, on both sides")
     args = parser.parse_args()
     size = tuple(int(v) for v in args.size.split("x"))
     if args.model:
@@ -238,10 +303,12 @@ def main() -> None:
         args.profile.mkdir(parents=True, exist_ok=True)
     cli, app = [], []
     for round_ in range(args.rounds):
-        cli.append(run_cli(args.model, args.tokens))
+        probes = Path(tempfile.mkdtemp(prefix="cmpchat-gc-")) if args.gc else None
+        cli.append(run_cli(args.model, args.tokens, probes / "run.json" if probes else None))
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s; starting the app", flush=True)
         profile = args.profile / f"app-gil-{round_ + 1}.txt" if args.profile else None
-        app.append(run_app(args.model, args.tokens, size, args.timeout, profile))  # type: ignore[arg-type]
+        app_probe = probes / "app.json" if probes else None
+        app.append(run_app(args.model, args.tokens, size, args.timeout, profile, app_probe))  # type: ignore[arg-type]
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s, app {app[-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(app) / statistics.median(cli)
     print(

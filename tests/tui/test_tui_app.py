@@ -3,8 +3,10 @@ and the real engine on the tiny model."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,22 @@ async def test_model_picker_lists_found_models_and_loads_the_choice(make_app, tm
         await wait_for(pilot, lambda: app.model is model)
     assert opened == [found[0].path]
     assert app.app_state.last_model == str(found[0].path)
+
+
+async def test_a_loaded_model_is_kept_out_of_collections_and_freed_when_replaced(make_app, tmp_path):
+    first, second = ScriptedModel(), ScriptedModel(path=tmp_path / "second.gguf")
+    first.own_cycle = first  # only the cycle collector can free it, and only while it is not frozen
+    to_open = [first, second]
+    app = make_app(model_path=first.path)
+    app.opener = lambda path, *, backend, progress: to_open.pop(0)
+    first_alive = weakref.ref(first)
+    del first
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        assert gc.get_freeze_count() > 0  # a full collection would have walked the model for nothing
+        app.load_model(ModelRequest(second.path))
+        await wait_for(pilot, lambda: app.model is second, what="the second model")
+        assert first_alive() is None
 
 
 async def test_nothing_found_opens_the_demo_model_with_its_banner(make_app, tmp_path):
