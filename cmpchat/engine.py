@@ -120,7 +120,8 @@ def open_model(
     `mirror_gpu` makes the CPU reference round as the GPU engine does (int8 activations, fp16 KV cache).
     GPU options: `sequences` decoded together at most, `context` tokens per sequence at most (default:
     what fits), `gpu_mem` bytes usable per GPU (to emulate a smaller card), `use_graphs` (False: launch
-    kernels one by one, for debugging). `progress(stage, done, total)` reports slow steps.
+    kernels one by one, for debugging). `progress(stage, done, total)` reports slow steps. The model comes
+    back ready: a GPU backend has compiled and captured the steps a first chat turn runs.
     """
     if backend not in BACKENDS:
         raise CmpchatError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
@@ -149,4 +150,5 @@ def open_model(
         engine = ReferenceBackend(model_file, config, mirror_gpu=mirror_gpu)
         if progress is not None:
             progress("loading the model", 1, 1)
+    engine.warm_up(progress)
     return Model(model_file, engine, is_demo=is_demo)

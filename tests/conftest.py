@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,11 +36,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def thaw_after_test() -> Iterator[None]:
-    """Loading a model in the app or a command freezes the process's objects (cmpchat.long_lived): thawed
-    after each test, so garbage a test leaves in cycles is still freed."""
+def restore_interpreter_settings() -> Iterator[None]:
+    """Loading a model in the app or a command freezes the process's objects (cmpchat.long_lived), and the
+    app sets the GIL switch interval: both are put back after each test, so garbage a test leaves in
+    cycles is still freed and the next test runs at the default interval."""
+    interval = sys.getswitchinterval()
     yield
     gc.unfreeze()
+    sys.setswitchinterval(interval)
 
 
 TINY_MERGES = ["H e", "l l", "ll o"]

@@ -7,7 +7,7 @@ next position. The generator drives any backend through these methods only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,10 @@ class Backend(ABC):
     def describe(self) -> list[str]:
         """Lines for the user about where the model runs (a GPU backend: the card and its memory plan)."""
         return []
+
+    def warm_up(self, progress: Callable[[str, int, int], None] | None = None) -> None:  # noqa: B027 (optional hook)
+        """Prepare what a first request would otherwise wait for (a GPU backend: compile and capture its
+        steps). The reference backend has nothing to prepare."""
 
     def release(self, sequence: Any) -> None:  # noqa: B027 (optional hook)
         """Give back what the sequence holds. The reference backend holds nothing outside the object."""

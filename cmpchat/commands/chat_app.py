@@ -7,17 +7,10 @@ demo model (with a banner saying its replies are random).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from cmpchat.engine import BACKENDS
 from cmpchat.errors import CmpchatError
-
-GIL_SWITCH_SECONDS = 0.02
-"""How long a thread may keep the GIL while another waits for it (Python's default: 0.005). Replies are
-generated on a thread of the app's process, and at the default the UI's timers and frames take the GIL from
-it four times as often: at 1,600 tok/s (a tiny model on the CPU) the app decoded at 0.83-0.90 of `cmpchat
-run`, at this setting 0.91-1.0 (tests/tui/speed_check.py, 6 rounds each). A key press waits at most this."""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -69,6 +62,5 @@ def run(args: argparse.Namespace) -> int:
     if args.pick:
         app.requested_model = None
         app.app_state.last_model = None
-    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     app.run()
     return app.return_code or 0

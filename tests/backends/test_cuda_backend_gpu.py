@@ -19,6 +19,7 @@ import pytest
 from cmpchat.backends.cuda.model import CudaBackend
 from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
 from cmpchat.backends.reference.model import ReferenceBackend
+from cmpchat.cuda.kernels.gemv import TOKEN_BUCKETS
 from cmpchat.demo import ensure_demo_model
 from cmpchat.errors import CmpchatError
 from cmpchat.model.gguf_file import ModelFile
@@ -136,6 +137,19 @@ def test_graph_and_eager_decode_give_identical_tokens():
     graph = greedy_tokens(CudaBackend(model_file, context=4096, use_graphs=True), prompt, 40)
     eager = greedy_tokens(CudaBackend(model_file, context=4096, use_graphs=False), prompt, 40)
     assert graph == eager
+
+
+def test_warm_up_prepares_the_first_turn_and_leaves_no_trace():
+    model_file = ModelFile(ensure_demo_model())
+    warmed = CudaBackend(model_file, context=4096)
+    stages = []
+    warmed.warm_up(lambda stage, done, total: stages.append((done, total)))
+    assert set(warmed._steps) == {(rows, True) for rows in TOKEN_BUCKETS} | {(1, False)}
+    assert bool(warmed._prompt_steps) == (warmed.prompt_buffers is not None)
+    assert stages[0][0] == 0 and stages[-1][0] == stages[-1][1]  # progress from start to end
+    prompt = [(7 * i) % 5000 for i in range(PROMPT_ROWS + 21)]  # a long-prompt step, then a tail
+    cold = CudaBackend(model_file, context=4096)
+    assert greedy_tokens(warmed, prompt, 24) == greedy_tokens(cold, prompt, 24)
 
 
 def test_batched_decode_matches_single_sequences():

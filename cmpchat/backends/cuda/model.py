@@ -41,7 +41,7 @@ from cmpchat.backends.cuda.step import (
 from cmpchat.backends.cuda.weights import upload_weights
 from cmpchat.cuda.graph import StepLaunches
 from cmpchat.cuda.kernels.attention import DecodeAttentionConfig
-from cmpchat.cuda.kernels.gemv import token_bucket
+from cmpchat.cuda.kernels.gemv import TOKEN_BUCKETS, token_bucket
 from cmpchat.errors import CmpchatError
 from cmpchat.generation.sampling import SamplingParams
 from cmpchat.model.config import ModelConfig
@@ -135,6 +135,29 @@ class CudaBackend(Backend):
             context=context,
             prompt_scratch=PromptBuffers.reserved_bytes(config, info.multiprocessors, PROMPT_ROWS),
         )
+
+    def warm_up(self, progress: Progress | None = None) -> None:
+        """Compile, load and capture what a first chat turn runs, so its first reply waits for none of it
+        (seconds where Numba's cache is cold): the long-prompt step where the model has one, the prompt-tail
+        step of every chunk size, the one-sequence decode step and the token selections. Runs on scratch
+        sequences; a slot is cleared whenever a sequence takes it."""
+        prompts = [PROMPT_ROWS] if self.prompt_buffers is not None else []
+        prompts += TOKEN_BUCKETS  # one chunk each: the prompt-tail step of every size
+        prompts = [rows for rows in prompts if rows < self.states.page_tokens]
+        for done, rows in enumerate(prompts):
+            if progress is not None:
+                progress("preparing the GPU kernels", done, len(prompts))
+            sequence = self.new_sequence()
+            try:
+                self.prefill(sequence, [0] * rows)
+                if rows == 1:
+                    logits = self.decode([sequence], [0])
+                    # Either selection captures both (greedy and sampled).
+                    self.sample(logits, [SamplingParams()], [[0]], [np.random.default_rng(0)])
+            finally:
+                self.release(sequence)
+        if progress is not None:
+            progress("preparing the GPU kernels", len(prompts), len(prompts))
 
     @property
     def context_per_sequence(self) -> int:

@@ -37,9 +37,11 @@ class LoadProgress(Vertical):
         self.update_progress("opening", 0, 0)
 
     def stop(self) -> None:
-        """Hide the panel and stop its clock."""
+        """Hide the panel and stop its clock and the bar's animation: an indeterminate bar redraws itself
+        15 times a second, hidden or not, and that was GIL time taken from the engine all along a reply."""
         self.display = False
         self._clock.pause()
+        self.query_one("#load-bar", ProgressBar).update(total=1, progress=1)
 
     def update_progress(self, stage: str, done: int, total: int) -> None:
         self._stage = stage

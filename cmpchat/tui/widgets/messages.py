@@ -17,7 +17,7 @@ from cmpchat.chat.messages import ToolCall
 from cmpchat.history.store import MessageRecord, MessageStatus
 from cmpchat.tui.format import rate, seconds
 from cmpchat.tui.session import ReplyStats
-from cmpchat.tui.widgets.streamed_markdown import StreamedMarkdown
+from cmpchat.tui.widgets.streamed_markdown import StreamedMarkdown, shared_parser
 
 _STATUS_NOTES: dict[str, str] = {
     "stopped": "stopped",
@@ -53,7 +53,7 @@ class ReasoningBlock(Collapsible):
     """The model's reasoning: open while it streams, folded to one line once the answer starts."""
 
     def __init__(self, text: str = "", *, title: str = "thinking…", collapsed: bool = False) -> None:
-        body = Markdown(text, classes="reasoning-text")
+        body = Markdown(text, classes="reasoning-text", parser_factory=shared_parser)
         self._stream = StreamedMarkdown(body, text)
         super().__init__(body, title=title, collapsed=collapsed, classes="reasoning")
 
@@ -88,7 +88,7 @@ class ReplyView(Vertical):
         self.model_label = model_label
         self.record = record
         self.reasoning_block: ReasoningBlock | None = None
-        self.markdown = Markdown(record.content if record else "", classes="body")
+        self.markdown = Markdown(record.content if record else "", classes="body", parser_factory=shared_parser)
         self.stats_line = Static("", classes="reply-stats")
         self._stream = StreamedMarkdown(self.markdown, record.content if record else "")
         self._tools = Vertical(classes="tool-calls")
