@@ -21,6 +21,9 @@ class Backend(ABC):
 
     name: str
     config: ModelConfig
+    decode_is_queued: bool = False
+    """True when `decode` returns once the step is queued (a GPU backend): a caller can do its own work for
+    the previous token while the step runs, and waits for it when it samples."""
 
     @abstractmethod
     def new_sequence(self) -> Any:

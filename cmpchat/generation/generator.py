@@ -74,6 +74,13 @@ class Generator:
                 else:
                     decode_steps += 1
                     decode_seconds = now - decode_started
+                # Where decode() only queues the step, the next one is queued before this token's text work
+                # (decoding, parsing, and whatever the caller does with the events) so the GPU runs meanwhile.
+                # It is wasted only when that text completes a stop string: the sequence is released then.
+                cancelled = cancel is not None and cancel.is_set()
+                queued = backend.decode_is_queued and not cancelled and not reply.ends_with(token)
+                if queued:
+                    logits = backend.decode([sequence], [token])
                 yield from reply.accept(token)
                 if decode_steps:
                     yield DecodeProgress(reply.generated, decode_steps / decode_seconds if decode_seconds > 0 else 0.0)
@@ -82,7 +89,8 @@ class Generator:
                 if cancel is not None and cancel.is_set():
                     reply.cancel()
                     break
-                logits = backend.decode([sequence], [token])
+                if not queued:
+                    logits = backend.decode([sequence], [token])
             timings = Timings(
                 prompt_tokens=len(prompt),
                 prompt_seconds=prompt_seconds,

@@ -105,6 +105,8 @@ def test_content_streams_and_end_token_stops(tiny):
 class QueuingBackend(ScriptedBackend):
     """As a GPU backend: decode() only queues the step; the wait for it happens when sampling reads it."""
 
+    decode_is_queued = True
+
     def decode(self, sequences, tokens):
         self.queued = True
         return super().decode(sequences, tokens)
@@ -124,6 +126,29 @@ def test_decode_time_covers_the_wait_for_each_token(tiny):
     assert timings.decode_steps == len(script) - 1
     assert timings.decode_seconds >= 0.02 * timings.decode_steps
     assert timings.decode_tokens_per_second <= 50
+
+
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_queued_step_runs_while_the_token_text_is_handled(tiny, queued):
+    config, tokenizer = tiny
+    script = tokenizer.encode("one two three") + [tokenizer.encode("<|im_end|>")[0]]
+    backend = (QueuingBackend if queued else ScriptedBackend)(config, script)
+    log = []
+    backend_decode = backend.decode
+    backend.decode = lambda sequences, tokens: log.append("step") or backend_decode(sequences, tokens)
+    for event in Generator(backend, tokenizer).generate([1, 2, 3]):
+        if isinstance(event, ContentDelta):
+            log.append("text")
+    # Queued: the step that feeds a token is on its way before that token's text comes out.
+    assert log[0] == ("step" if queued else "text")
+    assert log.count("step") == len(script) - 1  # the end token needs no step
+
+
+def test_a_stop_string_after_a_queued_step_still_ends_the_reply(tiny):
+    config, tokenizer = tiny
+    backend = QueuingBackend(config, tokenizer.encode("one, two. three"))
+    _, finished = run(Generator(backend, tokenizer), GenerationOptions(stop=(". ",)))
+    assert (finished.content, finished.reason) == ("one, two", "stop")
 
 
 def test_max_tokens_ends_with_length(tiny):

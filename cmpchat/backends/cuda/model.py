@@ -67,6 +67,7 @@ class CudaLogits:
 
 class CudaBackend(Backend):
     name = "cuda"
+    decode_is_queued = True
 
     def __init__(
         self,
