@@ -268,7 +268,11 @@ else:
             asm = ir.InlineAsm(
                 ir.FunctionType(ir.LiteralStructType([f32] * 4), [pointer.type]),
                 "{ .reg .u64 a; cvta.to.shared.u64 a, $4; ld.shared.v4.f32 {$0, $1, $2, $3}, [a]; }",
-                "=f,=f,=f,=f,l",
+                "=f,=f,=f,=f,l,~{memory}",
+                # Volatile and clobbering memory: without it NVVM takes the asm for a pure function of the
+                # address and hoists/CSEs it across cuda.syncthreads() (gdn_chunk_state's d_shared reads were
+                # hoisted out of the chunk loop: garbage on the GPU, invisible to the simulator).
+                side_effect=True,
             )
             loaded = builder.call(asm, [pointer])
             values = [builder.extract_value(loaded, i) for i in range(4)]
@@ -286,7 +290,7 @@ else:
                 pointer = _address(context, builder, sig.args[0], args[0], args[1])
                 f32 = ir.FloatType()
                 asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [pointer.type, f32, f32, f32, f32]), ptx,
-                                   "l,f,f,f,f", side_effect=True)  # fmt: skip
+                                   "l,f,f,f,f,~{memory}", side_effect=True)  # fmt: skip
                 builder.call(asm, [pointer, *args[2:]])
                 return context.get_dummy_value()
 
