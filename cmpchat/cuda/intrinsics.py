@@ -11,6 +11,8 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
   same over a whole block.
 - `unpack_f16x2(word)`: the two fp16 values packed in a uint32 (low half first) as fp32, exactly.
 - `fma_f16x2(a, b, c)`: a × b + c on the two fp16 lanes packed in each uint32, fused, one rounding (HFMA2).
+- `load_shared_f32x4(array, index)`, `store_shared_f32x4(array, index, a, b, c, d)`, `store_f32x4(...)`:
+  16-byte shared-memory loads/stores and global stores of flat fp32 arrays (Numba emits only scalar ones).
 - `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
   read-only path, for streaming weights; `load_f32x4` the same for float32 arrays (activations).
 
@@ -218,3 +220,86 @@ def warp_sum_i32(value):
         value += shfl_xor_i32(value, offset)
         offset //= 2
     return value
+
+
+# -- 16-byte shared-memory and global accesses -------------------------------------------------------
+# Numba emits scalar shared loads only (and aligns shared arrays to 4 bytes unless asked): these give the
+# LDS.128 / STS.128 / STG.128 that register-tiled kernels are built on. Flat fp32 arrays, index a multiple of 4,
+# the shared arrays declared with alignment 16.
+
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def load_shared_f32x4(array, index):
+        return array[index], array[index + 1], array[index + 2], array[index + 3]
+
+    @cuda.jit(device=True)
+    def store_shared_f32x4(array, index, a, b, c, d):
+        array[index] = a
+        array[index + 1] = b
+        array[index + 2] = c
+        array[index + 3] = d
+
+    @cuda.jit(device=True)
+    def store_f32x4(array, index, a, b, c, d):
+        array[index] = a
+        array[index + 1] = b
+        array[index + 2] = c
+        array[index + 3] = d
+
+else:
+    from llvmlite import ir
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def _address(context, builder, array_type, array_value, index_value):
+        array_struct = cgutils.create_struct_proxy(array_type)(context, builder, value=array_value)
+        return builder.gep(array_struct.data, [index_value])
+
+    @intrinsic
+    def load_shared_f32x4(typingctx, array, index):
+        if not (isinstance(array, types.Array) and array.dtype == float32 and isinstance(index, types.Integer)):
+            return None
+        signature = types.UniTuple(float32, 4)(array, index)
+
+        def codegen(context, builder, sig, args):
+            pointer = _address(context, builder, sig.args[0], *args)
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([f32] * 4), [pointer.type]),
+                "{ .reg .u64 a; cvta.to.shared.u64 a, $4; ld.shared.v4.f32 {$0, $1, $2, $3}, [a]; }",
+                "=f,=f,=f,=f,l,~{memory}",
+                # Volatile and clobbering memory: without it NVVM takes the asm for a pure function of the
+                # address and hoists/CSEs it across cuda.syncthreads() (gdn_chunk_state's d_shared reads were
+                # hoisted out of the chunk loop: garbage on the GPU, invisible to the simulator).
+                side_effect=True,
+            )
+            loaded = builder.call(asm, [pointer])
+            values = [builder.extract_value(loaded, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return signature, codegen
+
+    def _store_x4(ptx: str, name: str) -> object:
+        def store_x4(typingctx, array, index, a, b, c, d):
+            if not (isinstance(array, types.Array) and array.dtype == float32 and isinstance(index, types.Integer)):
+                return None
+            signature = types.none(array, index, float32, float32, float32, float32)
+
+            def codegen(context, builder, sig, args):
+                pointer = _address(context, builder, sig.args[0], args[0], args[1])
+                f32 = ir.FloatType()
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [pointer.type, f32, f32, f32, f32]), ptx,
+                                   "l,f,f,f,f,~{memory}", side_effect=True)  # fmt: skip
+                builder.call(asm, [pointer, *args[2:]])
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        store_x4.__name__ = store_x4.__qualname__ = name
+        return intrinsic(store_x4)
+
+    store_shared_f32x4 = _store_x4(
+        "{ .reg .u64 a; cvta.to.shared.u64 a, $0; st.shared.v4.f32 [a], {$1, $2, $3, $4}; }", "store_shared_f32x4"
+    )
+    store_f32x4 = _store_x4("st.global.v4.f32 [$0], {$1, $2, $3, $4};", "store_f32x4")

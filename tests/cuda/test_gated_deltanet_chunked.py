@@ -148,10 +148,13 @@ def test_launcher_checks_and_workspace_sizes():
     assert [launch.dispatcher.__name__ for launch in launches] == [
         "gdn_prefill_conv",
         "gdn_chunk_prepare",
-        "gdn_chunk_recurrence",
+        "gdn_chunk_state",
+        "gdn_chunk_output",
         "gdn_prefill_gated_norm",
     ]
-    assert launches[1].block == (4,) and launches[2].block == (32, 2) and launches[2].grid == (4, 1)
+    assert launches[1].block == (4,) and launches[1].grid == (1, 4)
+    assert launches[2].block == (32,) and launches[2].grid == (4, 2)  # max(2C, dk) threads; (Hv, dv / 16)
+    assert launches[3].block == (16,) and launches[3].grid == (1, 4, 1)  # 2C threads; (dv / 32, Hv, chunks)
     sequential = prefill_launches(shape, layer.weights, projection, conv, delta, 1, out, chunked=False)
     assert [launch.dispatcher.__name__ for launch in sequential][1] == "gdn_prefill_sequential"
     with pytest.raises(ValueError, match="chunk must be one of"):
@@ -169,9 +172,11 @@ def test_launcher_checks_and_workspace_sizes():
         prefill_launches(shape, layer.weights, projection, conv, delta, 0, out, chunk=8, workspace=small)
     with pytest.raises(ValueError, match="key heads up to 128"):
         prefill_launches(GatedDeltaNetShape(1, 1, 256, 32, 4, 1e-6), layer.weights, projection, conv, delta, 0, out)
-    # 9B at 4096 tokens: W (32*4096*128) + Q K^T (32*64*64*64) + decays (32*4096*2), fp32.
+    # 9B at 4096 tokens: W (32*4096*128) + Q K^T (32*64*64*64) + chunk-start states (64*32*128*128) + decays
+    # (32*4096*2), fp32.
     nine_b = GatedDeltaNetShape.from_config(SHAPES_9B)
-    assert ChunkWorkspace.nbytes(nine_b, 4096) == 4 * (32 * 4096 * 128 + 32 * 64 * 64 * 64 + 32 * 4096 * 2)
+    expected = 32 * 4096 * 128 + 32 * 64 * 64 * 64 + 64 * 32 * 128 * 128 + 32 * 4096 * 2
+    assert ChunkWorkspace.nbytes(nine_b, 4096) == 4 * expected
 
 
 # -- GPU (real head counts) --------------------------------------------------------------------------
@@ -201,7 +206,13 @@ def test_benchmark_compares_chunked_and_token_by_token(capsys):
     result = benchmark_prefill(GatedDeltaNetShape.from_config(SHAPES_9B), 1160, replays=2)
     print(result)
     assert result["chunked_us"] > 0 and result["sequential_us"] > 0
-    for kernel_name in ("gdn_prefill_conv", "gdn_chunk_prepare", "gdn_chunk_recurrence", "gdn_prefill_sequential"):
+    for kernel_name in (
+        "gdn_prefill_conv",
+        "gdn_chunk_prepare",
+        "gdn_chunk_state",
+        "gdn_chunk_output",
+        "gdn_prefill_sequential",
+    ):
         assert result[f"{kernel_name}_us"] > 0
     assert main(["9B", "--tokens", "256", "--replays", "1"]) == 0
     assert "9B" in capsys.readouterr().out

@@ -8,34 +8,38 @@ place), `out [T, Hv*dv]` = RMSNorm(o_h) * ssm_norm.weight * silu(z_h). Plus `mix
 output; unlike decode it cannot overwrite the projection, as the conv of token t reads the raw inputs of
 t-K+1..t, which other blocks would be overwriting) and, for the chunked path, a `ChunkWorkspace`.
 
-Launches, chunked (`prefill_launches(..., chunked=True)`):
-1. `gdn_prefill_conv`, grid (2Hk+Hv heads, ceil(T/16)), one thread per channel of a head, 16 tokens per block:
-   causal depthwise conv over [conv_state | raw inputs], SiLU, q/k L2 norm and q scaling, as
-   `gdn_conv_step` per token (each token's sum of squares summed by one thread from shared memory: two
-   barriers per block); the blocks of the first 16 tokens (the only readers of the old conv state) then
-   write the new conv state (the last K-1 raw inputs; old entries shift when T < K-1).
-2. `gdn_chunk_prepare`, grid (chunks, Hv), (C/4)^2 threads (256 for C = 64), fully parallel over chunks:
-   beta, g and the compensated cumulative log decays; the Gram matrices K K^T and Q K^T (register tiles of
-   4x4 per thread over dk staged C/2 columns at a time); A; T = (I + A)^-1 by forward substitution in shared
-   memory (one barrier per row); the WY factors W = T diag(beta e^gamma) K -> workspace.w and
-   U = T diag(beta) V -> `out` (U lives there until launch 3 replaces it with o, in the same block that
-   reads it); the masked decayed Q K^T -> workspace.qk; e^gamma_i and e^(gamma_L - gamma_i) -> workspace.decay.
-3. `gdn_chunk_recurrence`, grid (Hv, dv/32), block (32 columns, dk/16 row groups) = 256 threads: the only
-   sequential part. The columns of S are independent, so each block owns a 32-column slice of one head's
-   state, kept in shared memory (dk x 32 fp32 = 16 KB) across the chunks. Per chunk:
-   (A) thread (j, g) computes rows i = g (mod dk/16) of Delta = U - W S and of e^gamma Q S (W and Q rows
-       read as warp-uniform 16-byte loads, S from shared), (B) o = e^gamma Q S + (M o Q K^T) Delta into `out`,
-   (C) S <- e^gamma_L S + K^T diag(e^(gamma_L - gamma)) Delta for its 16 rows x 1 column; two barriers.
-4. `gdn_prefill_gated_norm`, grid (Hv, ceil(T/16)), dv threads, 16 tokens per block:
+Launches, chunked (`prefill_launches(..., chunked=True)`), as flash-linear-attention's chunk_gated_delta_rule:
+only launch 3 is sequential over the chunks, and it does only the two products that need the running state.
+1. `gdn_prefill_conv`, grid (2Hk+Hv heads, ceil(T/16)), one thread per channel, 16 tokens per block: causal
+   depthwise conv (K = 4: a sliding window in registers, one load per token), SiLU, q/k L2 norm and q scaling
+   as `gdn_conv_step`; outputs stay in registers until the norms are known, so each is written once (per-token
+   sums of squares by 8 threads, then 1). The first tile's blocks then write the new conv state.
+2. `gdn_chunk_prepare`, grid (chunks, Hv), (C/4)^2 threads (256 for C = 64), fully parallel: gates and the
+   compensated cumulative log decays -> workspace.decay; K K^T and Q K^T in 4x4 register tiles over 32 key
+   dims staged at a time (12 LDS.128 per 128 FMAs); A; T = (I + A)^-1 one column per thread by forward
+   substitution (no barriers: each column is independent); W = T diag(beta e^gamma) K -> workspace.w and
+   U = T diag(beta) V -> `out`, C columns of [K | V] staged at a time (8 LDS.128 per 64 FMAs, stopping at T's
+   diagonal); masked decayed Q K^T -> workspace.qk.
+3. `gdn_chunk_state`, grid (Hv, dv/16) (256 blocks for 9B), max(2C, dk) = 128 threads: the state slice
+   S [dk x 16] in registers (4x4 per thread) and in shared memory. Per chunk: S -> workspace.states[c];
+   Delta = U - W S (4x4 tiles, dk split in two halves summed through shared memory) over U in `out`;
+   S <- e^gamma_L S + K^T diag(e^(gamma_L - gamma)) Delta. W and K of the chunk are staged in one shared tile in
+   turn, the next one's 16-byte loads in flight in registers while the current one is used; four barriers.
+4. `gdn_chunk_output`, grid (dv/32, Hv, chunks), 2C threads, fully parallel: o = e^gamma Q S_c +
+   (M o Q K^T) Delta in 4x4 register tiles (8 LDS.128 per 64 FMAs), over Delta in `out` (each block stages
+   its Delta before writing o in its place; no other block reads it).
+5. `gdn_prefill_gated_norm`, grid (Hv, ceil(T/16)), dv threads, 16 tokens per block:
    out = RMSNorm(o) * weight * silu(z), in place.
 
-Token by token (`chunked=False`): launches 1 and 4 with `gdn_prefill_sequential` in between: grid (Hv, dv/32),
+Token by token (`chunked=False`): launches 1 and 5 with `gdn_prefill_sequential` in between: grid (Hv, dv/32),
 block (32, dk/16), the state slice in registers (16 per thread) for all T tokens, q/k of 16 tokens staged
 at a time, one barrier per token (u = S'^T k, S'^T q and k.q reduced together; o = S'^T q + (k.q) delta).
 
-Static shared memory (sm_70 allows 48 KB): prepare 34.5 KB, recurrence 32 KB, sequential 24.7 KB, conv and
-norm 16.5 KB; all for dk <= 128, C <= 64. ptxas for sm_70 (CUDA 12.9), registers per thread, no spills:
-conv 56, prepare 126, recurrence 128, sequential 94, norm 55. No tensor-core instruction (DESIGN.md).
+Numba emits no vector shared-memory access, so the register tiles use the 16-byte `load_shared_f32x4`,
+`store_shared_f32x4` and `store_f32x4` of `cmpchat.cuda.intrinsics` (shared arrays declared 16-byte aligned). Static shared
+memory (sm_70 allows 48 KB): prepare 36 KB, state 45 KB, output 26 KB, sequential 24.1 KB, conv and norm
+16.6 KB; all for dk <= 128, C <= 64. ptxas for sm_70 (CUDA 12.9), registers per thread, no spills: conv 64,
+prepare 128, state 255, output 93, sequential 94, norm 60. No tensor-core instruction (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import numpy as np
 from numba import cuda, float32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import load_f32x4
+from cmpchat.cuda.intrinsics import SIMULATOR, load_f32x4, load_shared_f32x4, store_f32x4, store_shared_f32x4
 from cmpchat.cuda.kernels.elementwise import sigmoid, silu, softplus
 from cmpchat.cuda.kernels.gated_deltanet import (
     L2_NORM_EPS,
@@ -63,37 +67,56 @@ from cmpchat.cuda.launch import Launch, check_array
 
 DEFAULT_CHUNK = 64
 CHUNK_SIZES = (8, 16, 32, 64)
-"""Chunk lengths the kernels take: (C/4)^2 threads build a chunk's C x C matrices in 4x4 register tiles."""
+"""Chunk lengths the kernels take: (C/4)^2 prepare threads build a chunk's C x C matrices in 4x4 register tiles."""
 MAX_CHUNK = 64
 MAX_KEY_DIM = 128
 """The shared-memory budget (48 KB static on sm_70) is laid out for dk <= 128 (all released sizes)."""
 COLUMN_TILE = 32
-"""State columns (value dims) per block of the recurrence kernels: one warp-wide row of threads."""
+"""State columns per block of the token-by-token kernel (one warp-wide row of threads); dv must be a multiple."""
 MAX_GROUPS = MAX_KEY_DIM // ROWS_PER_THREAD
-SLAB_ROWS = 8
-"""Rows of Delta (and of Q S) each recurrence thread accumulates at once: 8 * dk/16 rows of a chunk per slab."""
+STATE_COLUMNS = 16
+"""Columns of S per block of the state pass: Hv * dv / 16 blocks (256 for 9B) of STATE_THREADS."""
+STATE_THREADS = 128
+OUTPUT_COLUMNS = 32
+"""Value columns per block of the output kernel."""
+OUTPUT_THREADS = 128
+PREFETCH = 16
+"""16-byte loads per state-pass thread holding the next 64 x dk tile (W or K) while the current one is used."""
 CONV_TOKENS = 16
 NORM_TOKENS = 16
+REDUCE_PARTS = 8
+"""Per-token sums of squares (conv L2 norm, gated RMSNorm) are summed by 8 threads per token, then by one."""
 STAGED_TOKENS = 16
 """Tokens whose q/k the token-by-token kernel stages in shared memory per barrier pair."""
 RECURRENCE_THREADS = COLUMN_TILE * MAX_GROUPS
 TILE_ENTRIES = 4
 """Each prepare thread owns a 4x4 tile of the chunk's C x C matrices (rows ti + C/4 * a, cols tj + C/4 * b)."""
+GRAM_COLUMNS = 32
+"""Key dims staged at a time for the prepare's Gram matrices."""
 
-_TRI_STRIDE = MAX_CHUNK + 1  # padded rows: column walks hit distinct banks
-_TILE_STRIDE = MAX_CHUNK // 2 + 1
-_ROW_STRIDE = MAX_HEAD_DIM + 1  # per-token rows of squares, summed along by one thread each
+_ALIGN = None if SIMULATOR else 16  # 16-byte shared arrays for the vector loads (the simulator takes no alignment)
+_ROW_STRIDE = MAX_HEAD_DIM + 1  # per-token rows of squares
+_GRAM_STRIDE = GRAM_COLUMNS + 4  # padded rows, multiples of 4 (16-byte rows) and 4 banks apart
+_WIDE_STRIDE = MAX_CHUNK + 4
+_A_STRIDE = MAX_CHUNK + 1
+_TILE_STRIDE_MAX = MAX_KEY_DIM + 4
 _ZERO = float32(0.0)
 _ONE = float32(1.0)
 # Array sizes as plain constants (Numba types a shared/local array's size only from a literal or a global).
 _CONV_SQUARES = CONV_TOKENS * _ROW_STRIDE
 _NORM_SQUARES = NORM_TOKENS * _ROW_STRIDE
-_TRI_SIZE = MAX_CHUNK * _TRI_STRIDE
-_TILE_SIZE = MAX_CHUNK * _TILE_STRIDE
+_CONV_PARTIALS = CONV_TOKENS * REDUCE_PARTS
+_NORM_PARTIALS = NORM_TOKENS * REDUCE_PARTS
+_GRAM_STAGE = 2 * MAX_CHUNK * _GRAM_STRIDE  # K and Q; later A (64 x 65) and the W/U stage (64 x 68)
+_WIDE_SIZE = MAX_CHUNK * _WIDE_STRIDE
 _TILE_ENTRIES_2D = TILE_ENTRIES * TILE_ENTRIES
-_TILE_OUTPUTS = 2 * TILE_ENTRIES
-_STATE_SLICE = MAX_KEY_DIM * COLUMN_TILE
-_CHUNK_SLICE = MAX_CHUNK * COLUMN_TILE
+_STATE_TILE = MAX_CHUNK * _TILE_STRIDE_MAX
+_STATE_SLICE = MAX_KEY_DIM * STATE_COLUMNS
+_DELTA_SLICE = MAX_CHUNK * STATE_COLUMNS
+_PREFETCH_VALUES = 4 * PREFETCH
+_OUTPUT_Q = MAX_CHUNK * _WIDE_STRIDE
+_OUTPUT_S = MAX_CHUNK * (OUTPUT_COLUMNS + 4)
+_OUTPUT_STRIDE = OUTPUT_COLUMNS + 4
 _STAGED_KEYS = STAGED_TOKENS * MAX_KEY_DIM
 _STAGED_VALUES = STAGED_TOKENS * COLUMN_TILE
 _PARTIALS = 2 * 3 * MAX_GROUPS * COLUMN_TILE  # u, S'^T q and k.q per row group, double-buffered
@@ -102,12 +125,15 @@ _CONV_SIGNATURE = (
     "void(float32[:, ::1], float32[:, ::1], float32[:, :, ::1], float32[:, ::1], int32, int32, int32, int32, float32)"
 )
 _PREPARE_SIGNATURE = (
-    "void(float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[:, :, ::1], "
-    "float32[:, :, :, ::1], float32[:, :, ::1], float32[:, ::1], int32, int32)"
+    "void(float32[:, ::1], float32[::1], float32[::1], float32[::1], float32[::1], "
+    "float32[:, :, :, ::1], float32[:, :, ::1], float32[::1], int32, int32)"
 )
-_RECURRENCE_SIGNATURE = (
-    "void(float32[::1], float32[::1], float32[:, :, :, ::1], float32[:, :, ::1], float32[:, ::1], "
+_STATE_SIGNATURE = (
+    "void(float32[::1], float32[::1], float32[:, :, ::1], float32[::1], float32[::1], "
     "float32[:, :, :, ::1], int32, int32, int32)"
+)
+_OUTPUT_SIGNATURE = (
+    "void(float32[::1], float32[::1], float32[:, :, ::1], float32[::1], float32[::1], int32, int32, int32, int32)"
 )
 _SEQUENTIAL_SIGNATURE = (
     "void(float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], float32[:, :, :, ::1], "
@@ -116,14 +142,34 @@ _SEQUENTIAL_SIGNATURE = (
 _NORM_SIGNATURE = "void(float32[:, ::1], float32[::1], float32[:, ::1], float32)"
 
 
+@cuda.jit(device=True, inline=True)
+def _sum_squares(squares, partials, norms, width, lane, lanes):
+    """partials[s*8 + p] = sum of squares[s][c] for c = p (mod 8); then norms[s] = the sum over p. Two barriers;
+    every thread of the block calls it."""
+    for e in range(lane, CONV_TOKENS * REDUCE_PARTS, lanes):
+        s = e // REDUCE_PARTS
+        total = _ZERO
+        for c in range(e % REDUCE_PARTS, width, REDUCE_PARTS):
+            total += squares[s * _ROW_STRIDE + c]
+        partials[e] = total
+    cuda.syncthreads()
+    if lane < CONV_TOKENS:
+        total = _ZERO
+        for p in range(REDUCE_PARTS):
+            total += partials[lane * REDUCE_PARTS + p]
+        norms[lane] = total
+    cuda.syncthreads()
+
+
 # -- kernels -----------------------------------------------------------------------------------------
 
 
 @kernel(_CONV_SIGNATURE)
 def gdn_prefill_conv(projection, conv_weight, conv_state, mixed, slot, num_k_heads, k_head_dim, v_head_dim, q_scale):
     """Block (head, 16-token tile), thread = channel of the head: heads 0..Hk-1 are q, Hk..2Hk-1 are k, then
-    the Hv value heads. Each q/k token's sum of squares goes through shared memory (two barriers a tile)."""
+    the Hv value heads. Outputs stay in registers until q/k's L2 norms are known (each written once)."""
     lane = cuda.threadIdx.x
+    lanes = cuda.blockDim.x
     head = cuda.blockIdx.x
     first = cuda.blockIdx.y * CONV_TOKENS
     tokens = projection.shape[0]
@@ -137,38 +183,72 @@ def gdn_prefill_conv(projection, conv_weight, conv_state, mixed, slot, num_k_hea
         width = v_head_dim
         channel = qk_heads * k_head_dim + (head - qk_heads) * v_head_dim + lane
     squares = cuda.shared.array(_CONV_SQUARES, float32)
+    partials = cuda.shared.array(_CONV_PARTIALS, float32)
     norms = cuda.shared.array(CONV_TOKENS, float32)
-    for s in range(CONV_TOKENS):
-        t = first + s
-        value = _ZERO
-        if lane < width and t < tokens:
-            total = _ZERO
-            for tap in range(taps):  # tap 0 is the oldest input, tap K-1 the current one (the reference's order)
-                source = t - history + tap
-                if source >= 0:
+    values = cuda.local.array(CONV_TOKENS, float32)
+    active = lane < width
+    if active and taps == 4:  # the released width: a sliding window in registers, one load per token
+        w0 = conv_weight[channel, 0]
+        w1 = conv_weight[channel, 1]
+        w2 = conv_weight[channel, 2]
+        w3 = conv_weight[channel, 3]
+        x0 = _ZERO
+        x1 = _ZERO
+        x2 = _ZERO
+        for m in range(3):  # inputs first-3 .. first-1: before the prompt, the carried raw inputs
+            source = first - 3 + m
+            x = _ZERO
+            if source >= 0:
+                if source < tokens:
                     x = projection[source, channel]
+            else:
+                x = conv_state[slot, history + source, channel]
+            x0 = x1
+            x1 = x2
+            x2 = x
+        for s in range(CONV_TOKENS):
+            t = first + s
+            x3 = _ZERO
+            if t < tokens:
+                x3 = projection[t, channel]
+            values[s] = silu(x0 * w0 + x1 * w1 + x2 * w2 + x3 * w3)  # the reference's tap order
+            x0 = x1
+            x1 = x2
+            x2 = x3
+    elif active:
+        for s in range(CONV_TOKENS):
+            t = first + s
+            total = _ZERO
+            for tap in range(taps):  # tap 0 is the oldest input, tap K-1 the current one
+                source = t - history + tap
+                x = _ZERO
+                if source >= 0:
+                    if source < tokens:
+                        x = projection[source, channel]
                 else:  # before the prompt: the carried raw inputs (only the first tile gets here)
                     x = conv_state[slot, history + source, channel]
                 total += x * conv_weight[channel, tap]
-            value = silu(total)
-            mixed[t, channel] = value
-        squares[s * _ROW_STRIDE + lane] = value * value
+            values[s] = silu(total)
     if head < qk_heads:  # uniform over the block: L2 norm of each token's head, then q's scale
+        for s in range(CONV_TOKENS):
+            value = _ZERO
+            if active and first + s < tokens:
+                value = values[s]
+            squares[s * _ROW_STRIDE + lane] = value * value
         cuda.syncthreads()
-        if lane < CONV_TOKENS:
-            total = _ZERO
-            for c in range(width):
-                total += squares[lane * _ROW_STRIDE + c]
-            norms[lane] = float32(math.sqrt(total + L2_NORM_EPS))
-        cuda.syncthreads()
+        _sum_squares(squares, partials, norms, width, lane, lanes)
+        scale = _ONE
+        if head < num_k_heads:
+            scale = q_scale
+        if active:
+            for s in range(CONV_TOKENS):
+                values[s] = values[s] / float32(math.sqrt(norms[s] + L2_NORM_EPS)) * scale
+    if active:
         for s in range(CONV_TOKENS):
             t = first + s
-            if lane < width and t < tokens:
-                value = mixed[t, channel] / norms[s]  # this thread's own write above
-                if head < num_k_heads:
-                    value *= q_scale
-                mixed[t, channel] = value
-    if cuda.blockIdx.y == 0 and lane < width:
+            if t < tokens:
+                mixed[t, channel] = values[s]
+    if cuda.blockIdx.y == 0 and active:
         # The new state is entries T..T+K-2 of [old state | inputs]. This thread alone reads and writes this
         # channel's state (the conv above included), and old entry m+T is read (for entry m) before it is
         # itself overwritten.
@@ -180,18 +260,22 @@ def gdn_prefill_conv(projection, conv_weight, conv_state, mixed, slot, num_k_hea
                 conv_state[slot, m, channel] = conv_state[slot, m + tokens, channel]
 
 
-@kernel(_PREPARE_SIGNATURE)
+@kernel(_PREPARE_SIGNATURE, launch_bounds=(MAX_CHUNK // TILE_ENTRIES) ** 2)
 def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_k_heads, chunk):
-    """Block (chunk, value head), (C/4)^2 threads: the chunk's WY factors, masked Q K^T and decays."""
+    """Block (chunk, value head), (C/4)^2 threads: the chunk's WY factors, masked Q K^T and decays.
+
+    `mixed` [T*conv_dim], `w` [Hv*T*dk] and `out` [T*Hv*dv] are flat (16-byte accesses); U goes to `out`.
+    """
     thread = cuda.threadIdx.x
     threads = cuda.blockDim.x
     chunk_index = cuda.blockIdx.x
     head = cuda.blockIdx.y
     tokens = projection.shape[0]
     num_v_heads = ssm_a.shape[0]
-    k_dim = w.shape[2]
-    v_dim = out.shape[1] // num_v_heads
+    k_dim = w.shape[0] // (num_v_heads * tokens)
+    v_dim = out.shape[0] // (tokens * num_v_heads)
     conv_dim = 2 * num_k_heads * k_dim + num_v_heads * v_dim
+    out_width = num_v_heads * v_dim
     key_head = head % num_k_heads  # GGUF order: value head h reads key head h % Hk
     q_column = key_head * k_dim
     k_column = (num_k_heads + key_head) * k_dim
@@ -203,15 +287,13 @@ def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_
     side = chunk // TILE_ENTRIES
     ti = thread // side
     tj = thread % side
-    width = chunk // 2  # columns of K, Q, V staged at a time: 2 per thread column
 
     log_hi = cuda.shared.array(MAX_CHUNK, float32)
     log_lo = cuda.shared.array(MAX_CHUNK, float32)
     beta_shared = cuda.shared.array(MAX_CHUNK, float32)
     key_scale = cuda.shared.array(MAX_CHUNK, float32)
-    tri = cuda.shared.array(_TRI_SIZE, float32)  # A^T above the diagonal, T below
-    tile_a = cuda.shared.array(_TILE_SIZE, float32)
-    tile_b = cuda.shared.array(_TILE_SIZE, float32)
+    stage = cuda.shared.array(_GRAM_STAGE, float32, alignment=_ALIGN)  # K | Q, then A, then [K' | V'] tiles
+    tmat = cuda.shared.array(_WIDE_SIZE, float32, alignment=_ALIGN)  # T = (I + A)^-1, row-major, stride C+4
 
     # 1. Gates, and gamma_i = g_1 + ... + g_i as compensated sums (hi + lo): see the reference's docstring.
     for i in range(thread, length, threads):
@@ -239,40 +321,49 @@ def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_
         decay[head, t0 + i, 1] = float32(math.exp((last_hi - log_hi[i]) + (last_lo - log_lo[i])))
         key_scale[i] = beta_shared[i] * decay_in
 
-    # 2. Gram matrices K K^T and Q K^T, thread tile rows ti + side*a, columns tj + side*b.
+    # 2. Gram matrices K K^T and Q K^T, thread tile rows ti + side*a, columns tj + side*b, over 32 key dims
+    #    staged at a time: per 4 dims 12 LDS.128 (K and Q rows, nearly broadcast; K columns) for 128 FMAs.
     kk = cuda.local.array(_TILE_ENTRIES_2D, float32)
     qk_acc = cuda.local.array(_TILE_ENTRIES_2D, float32)
-    row_k = cuda.local.array(TILE_ENTRIES, float32)
-    row_q = cuda.local.array(TILE_ENTRIES, float32)
-    col_k = cuda.local.array(TILE_ENTRIES, float32)
-    for e in range(TILE_ENTRIES * TILE_ENTRIES):
+    row_k = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    row_q = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    col_k = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    for e in range(_TILE_ENTRIES_2D):
         kk[e] = _ZERO
         qk_acc[e] = _ZERO
-    for base in range(0, k_dim, width):
+    quads = GRAM_COLUMNS // 4
+    q_base = MAX_CHUNK * _GRAM_STRIDE
+    for base in range(0, k_dim, GRAM_COLUMNS):
         cuda.syncthreads()  # the previous tile is consumed
-        for e in range(thread, chunk * width, threads):
-            i = e // width
-            col = e % width
-            k_value = _ZERO
-            q_value = _ZERO
+        for e in range(thread, chunk * quads, threads):
+            i = e // quads
+            col = 4 * (e % quads)
+            k0 = k1 = k2 = k3 = q0 = q1 = q2 = q3 = _ZERO
             if i < length:
-                k_value = mixed[t0 + i, k_column + base + col]
-                q_value = mixed[t0 + i, q_column + base + col]
-            tile_a[i * _TILE_STRIDE + col] = k_value
-            tile_b[i * _TILE_STRIDE + col] = q_value
+                row = (t0 + i) * conv_dim + base + col
+                k0, k1, k2, k3 = load_f32x4(mixed, row + k_column)
+                q0, q1, q2, q3 = load_f32x4(mixed, row + q_column)
+            store_shared_f32x4(stage, i * _GRAM_STRIDE + col, k0, k1, k2, k3)
+            store_shared_f32x4(stage, q_base + i * _GRAM_STRIDE + col, q0, q1, q2, q3)
         cuda.syncthreads()
-        for col in range(width):
+        for col in range(0, GRAM_COLUMNS, 4):
             for a in range(TILE_ENTRIES):
-                row_k[a] = tile_a[(ti + side * a) * _TILE_STRIDE + col]
-                row_q[a] = tile_b[(ti + side * a) * _TILE_STRIDE + col]
-                col_k[a] = tile_a[(tj + side * a) * _TILE_STRIDE + col]
+                r = (ti + side * a) * _GRAM_STRIDE + col
+                row_k[4 * a], row_k[4 * a + 1], row_k[4 * a + 2], row_k[4 * a + 3] = load_shared_f32x4(stage, r)
+                row_q[4 * a], row_q[4 * a + 1], row_q[4 * a + 2], row_q[4 * a + 3] = load_shared_f32x4(
+                    stage, q_base + r
+                )
+                c = (tj + side * a) * _GRAM_STRIDE + col
+                col_k[4 * a], col_k[4 * a + 1], col_k[4 * a + 2], col_k[4 * a + 3] = load_shared_f32x4(stage, c)
             for a in range(TILE_ENTRIES):
                 for b in range(TILE_ENTRIES):
-                    kk[a * TILE_ENTRIES + b] += row_k[a] * col_k[b]
-                    qk_acc[a * TILE_ENTRIES + b] += row_q[a] * col_k[b]
+                    for d in range(4):
+                        kk[a * TILE_ENTRIES + b] += row_k[4 * a + d] * col_k[4 * b + d]
+                        qk_acc[a * TILE_ENTRIES + b] += row_q[4 * a + d] * col_k[4 * b + d]
+    cuda.syncthreads()  # the Gram stage is consumed: A takes its place
 
-    # 3. A_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (j < i) into tri[j][i]; T's strict lower part cleared;
-    #    the masked, decayed Q K^T out to the workspace (zero above the diagonal and past the chunk's end).
+    # 3. A_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (j < i, else 0) into stage [C][C+1]; the masked, decayed
+    #    Q K^T out to the workspace (zero above the diagonal and past the chunk's end).
     for a in range(TILE_ENTRIES):
         i = ti + side * a
         for b in range(TILE_ENTRIES):
@@ -281,181 +372,378 @@ def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_
             if j <= i and i < length:
                 factor = float32(math.exp((log_hi[i] - log_hi[j]) + (log_lo[i] - log_lo[j])))
             qk[head, chunk_index, i, j] = factor * qk_acc[a * TILE_ENTRIES + b]
+            a_ij = _ZERO
             if j < i:
-                a_ij = _ZERO
-                if i < length:
-                    a_ij = beta_shared[i] * factor * kk[a * TILE_ENTRIES + b]
-                tri[j * _TRI_STRIDE + i] = a_ij
-                tri[i * _TRI_STRIDE + j] = _ZERO
+                a_ij = beta_shared[i] * factor * kk[a * TILE_ENTRIES + b]
+            stage[i * _A_STRIDE + j] = a_ij
     cuda.syncthreads()
 
-    # 4. T = (I + A)^-1, right-looking: once row m of T is final, every later row i takes
-    #    T[i, c] -= A[i, m] T[m, c] for c <= m (T[m, m] = 1). Reads row m and A's column m (stored as tri's
-    #    row m above the diagonal); writes only rows below m.
-    for m in range(length - 1):
-        for a in range(TILE_ENTRIES):
-            i = ti + side * a
-            if m < i and i < length:
-                a_im = tri[m * _TRI_STRIDE + i]
-                for b in range(TILE_ENTRIES):
-                    c = tj + side * b
-                    if c < m:
-                        tri[i * _TRI_STRIDE + c] -= a_im * tri[m * _TRI_STRIDE + c]
-                    elif c == m:
-                        tri[i * _TRI_STRIDE + c] -= a_im
-        cuda.syncthreads()
-    for a in range(TILE_ENTRIES):  # T's unit diagonal and zero upper triangle, so products read it plainly
-        i = ti + side * a
-        for b in range(TILE_ENTRIES):
-            c = tj + side * b
-            if c == i:
-                tri[i * _TRI_STRIDE + c] = _ONE
-            elif c > i:
-                tri[i * _TRI_STRIDE + c] = _ZERO
+    # 4. T = (I + A)^-1 one column per thread, no barriers: column c solves (I + A) x = e_c by forward
+    #    substitution, x_i = -sum_{c <= m < i} A_im x_m, reading A's rows (broadcast) and its own column of T.
+    for c in range(thread, chunk, threads):
+        for i in range(chunk):
+            value = _ZERO
+            if i == c and c < length:
+                value = _ONE
+            tmat[i * _WIDE_STRIDE + c] = value
+        for i in range(c + 1, length):
+            even = _ZERO
+            odd = _ZERO
+            m = c
+            while m + 1 < i:
+                even += stage[i * _A_STRIDE + m] * tmat[m * _WIDE_STRIDE + c]
+                odd += stage[i * _A_STRIDE + m + 1] * tmat[(m + 1) * _WIDE_STRIDE + c]
+                m += 2
+            if m < i:
+                even += stage[i * _A_STRIDE + m] * tmat[m * _WIDE_STRIDE + c]
+            tmat[i * _WIDE_STRIDE + c] = -(even + odd)
 
-    # 5. W = T diag(beta e^gamma) K -> w, U = T diag(beta) V -> out; thread rows ti + side*a, columns
-    #    tj + side*b of each staged tile.
-    acc_w = cuda.local.array(_TILE_OUTPUTS, float32)
-    acc_u = cuda.local.array(_TILE_OUTPUTS, float32)
-    t_row = cuda.local.array(TILE_ENTRIES, float32)
-    for base in range(0, max(k_dim, v_dim), width):
-        cuda.syncthreads()  # T complete / the previous tile consumed
-        for e in range(thread, chunk * width, threads):
-            m = e // width
-            col = e % width
-            k_value = _ZERO
-            v_value = _ZERO
+    # 5. W = T diag(beta e^gamma) K -> w, U = T diag(beta) V -> out, C columns of [K' | V'] staged at a time;
+    #    thread rows ti + side*a, columns 4tj..4tj+3: per 4 rows of the stage 8 LDS.128 for 64 FMAs. T is lower
+    #    triangular, so a thread stops at its last row.
+    acc = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    t_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    s_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    width_quads = chunk // 4
+    m_end = min(length, ti + side * (TILE_ENTRIES - 1) + 1)
+    m_end = (m_end + 3) // 4 * 4
+    for base in range(0, k_dim + v_dim, chunk):
+        cuda.syncthreads()  # T complete / A or the previous tile consumed
+        for e in range(thread, chunk * width_quads, threads):
+            m = e // width_quads
+            g = base + 4 * (e % width_quads)  # column of [K | V]
+            x0 = x1 = x2 = x3 = _ZERO
             if m < length:
-                if base < k_dim:
-                    k_value = key_scale[m] * mixed[t0 + m, k_column + base + col]
-                if base < v_dim:
-                    v_value = beta_shared[m] * mixed[t0 + m, v_column + base + col]
-            tile_a[m * _TILE_STRIDE + col] = k_value
-            tile_b[m * _TILE_STRIDE + col] = v_value
+                row = (t0 + m) * conv_dim
+                if g < k_dim:
+                    x0, x1, x2, x3 = load_f32x4(mixed, row + k_column + g)
+                    scale = key_scale[m]
+                elif g < k_dim + v_dim:
+                    x0, x1, x2, x3 = load_f32x4(mixed, row + v_column + g - k_dim)
+                    scale = beta_shared[m]
+                else:
+                    scale = _ZERO
+                x0 *= scale
+                x1 *= scale
+                x2 *= scale
+                x3 *= scale
+            store_shared_f32x4(stage, m * _WIDE_STRIDE + 4 * (e % width_quads), x0, x1, x2, x3)
         cuda.syncthreads()
-        for e in range(2 * TILE_ENTRIES):
-            acc_w[e] = _ZERO
-            acc_u[e] = _ZERO
-        for m in range(length):
+        for e in range(_TILE_ENTRIES_2D):
+            acc[e] = _ZERO
+        for m in range(0, m_end, 4):
             for a in range(TILE_ENTRIES):
-                t_row[a] = tri[(ti + side * a) * _TRI_STRIDE + m]
-            k0 = tile_a[m * _TILE_STRIDE + tj]
-            k1 = tile_a[m * _TILE_STRIDE + tj + side]
-            v0 = tile_b[m * _TILE_STRIDE + tj]
-            v1 = tile_b[m * _TILE_STRIDE + tj + side]
+                r = (ti + side * a) * _WIDE_STRIDE + m
+                t_rows[4 * a], t_rows[4 * a + 1], t_rows[4 * a + 2], t_rows[4 * a + 3] = load_shared_f32x4(tmat, r)
+                r = (m + a) * _WIDE_STRIDE + 4 * tj
+                s_rows[4 * a], s_rows[4 * a + 1], s_rows[4 * a + 2], s_rows[4 * a + 3] = load_shared_f32x4(stage, r)
             for a in range(TILE_ENTRIES):
-                acc_w[2 * a] += t_row[a] * k0
-                acc_w[2 * a + 1] += t_row[a] * k1
-                acc_u[2 * a] += t_row[a] * v0
-                acc_u[2 * a + 1] += t_row[a] * v1
+                for b in range(4):
+                    for d in range(4):
+                        acc[4 * a + b] += t_rows[4 * a + d] * s_rows[4 * d + b]
+        g = base + 4 * tj
         for a in range(TILE_ENTRIES):
             i = ti + side * a
             if i < length:
-                for b in range(2):
-                    col = base + tj + side * b
-                    if base < k_dim:
-                        w[head, t0 + i, col] = acc_w[2 * a + b]
-                    if base < v_dim:
-                        out[t0 + i, head * v_dim + col] = acc_u[2 * a + b]
+                if g < k_dim:
+                    index = (head * tokens + t0 + i) * k_dim + g
+                    store_f32x4(w, index, acc[4 * a], acc[4 * a + 1], acc[4 * a + 2], acc[4 * a + 3])
+                elif g < k_dim + v_dim:
+                    index = (t0 + i) * out_width + head * v_dim + g - k_dim
+                    store_f32x4(out, index, acc[4 * a], acc[4 * a + 1], acc[4 * a + 2], acc[4 * a + 3])
 
 
-@kernel(_RECURRENCE_SIGNATURE, launch_bounds=RECURRENCE_THREADS)
-def gdn_chunk_recurrence(mixed, w, qk, decay, out, delta_state, slot, num_k_heads, chunk):
-    """Block (value head, 32-column slice of S), threads (column j, row group g): the chunks in order.
+@cuda.jit(device=True, inline=True)
+def _fetch_tile(values, source, first, row_stride, rows, quads, thread, threads):
+    """values <- a [rows x 4*quads] tile at source[first + row*row_stride + ...] (zero past `rows`, up to the
+    chunk's length), 16 bytes per load, each warp reading whole rows."""
+    for n in range(PREFETCH):
+        f = thread + threads * n
+        row = f // quads
+        x0 = x1 = x2 = x3 = _ZERO
+        if row < rows:
+            x0, x1, x2, x3 = load_f32x4(source, first + row * row_stride + 4 * (f % quads))
+        values[4 * n] = x0
+        values[4 * n + 1] = x1
+        values[4 * n + 2] = x2
+        values[4 * n + 3] = x3
 
-    `mixed` [T*conv_dim] and `w` [Hv*T*dk] are flat (16-byte loads); `out` holds U on entry, o on exit.
+
+@cuda.jit(device=True, inline=True)
+def _store_tile(values, tile, stride, quads, chunk, thread, threads):
+    """The fetched tile into shared memory (rows of stride dk + 4), all C rows (zeros past the tokens)."""
+    for n in range(PREFETCH):
+        f = thread + threads * n
+        if f < chunk * quads:
+            index = (f // quads) * stride + 4 * (f % quads)
+            store_shared_f32x4(tile, index, values[4 * n], values[4 * n + 1], values[4 * n + 2], values[4 * n + 3])
+
+
+@kernel(_STATE_SIGNATURE, launch_bounds=STATE_THREADS)
+def gdn_chunk_state(mixed, w, decay, out, states, delta_state, slot, num_k_heads, chunk):
+    """Block (value head, 16 columns of S), max(2C, dk) threads: the chunks in order, the only sequential launch.
+
+    Per chunk: states[c] <- S; Delta = U - W S over U in `out`; S <- e^gamma_L S + K^T diag(e^(gamma_L -
+    gamma)) Delta. `mixed` [T*conv_dim], `w` [Hv*T*dk], `out` [T*Hv*dv], `states` [chunks*Hv*dk*dv] are flat.
     """
-    column = cuda.threadIdx.x
-    group = cuda.threadIdx.y
-    groups = cuda.blockDim.y
+    thread = cuda.threadIdx.x
+    threads = cuda.blockDim.x
     head = cuda.blockIdx.x
-    value = cuda.blockIdx.y * COLUMN_TILE + column  # this thread's column of S_h
+    col0 = cuda.blockIdx.y * STATE_COLUMNS
     num_v_heads = delta_state.shape[1]
     k_dim = delta_state.shape[2]
     v_dim = delta_state.shape[3]
-    tokens = out.shape[0]
+    tokens = decay.shape[1]
     conv_dim = 2 * num_k_heads * k_dim + num_v_heads * v_dim
-    key_head = head % num_k_heads
-    q_column = key_head * k_dim
-    k_column = (num_k_heads + key_head) * k_dim
-    out_column = head * v_dim + value
-    first_row = group * ROWS_PER_THREAD
+    out_width = num_v_heads * v_dim
+    k_column = (num_k_heads + head % num_k_heads) * k_dim
+    chunks = (tokens + chunk - 1) // chunk
+    quads = k_dim // 4
+    stride = k_dim + 4  # tile rows 4 banks apart: the 8 rows a warp reads hit distinct banks
+    # Delta (phase 1, threads < 2C): rows rg + side*a, columns 4cq..4cq+3, key dims of half `half` (the
+    # halves summed through d_shared).
+    side = chunk // 4
+    half = thread // chunk
+    if half > 1:
+        half = 2  # no share of phase 1
+    rg = (thread % chunk) // 4
+    cq = thread % 4
+    # S (phase 2, in registers): rows 4rq..4rq+3, columns 4cq..4cq+3.
+    rq = thread // 4
+    owner = 4 * rq < k_dim
 
-    state_shared = cuda.shared.array(_STATE_SLICE, float32)  # S[r, j] at r*32 + j
-    delta_shared = cuda.shared.array(_CHUNK_SLICE, float32)  # Delta[i, j]
-    qs_shared = cuda.shared.array(_CHUNK_SLICE, float32)  # e^gamma_i (Q S)[i, j]
-    acc_w = cuda.local.array(SLAB_ROWS, float32)
-    acc_q = cuda.local.array(SLAB_ROWS, float32)
-    state = cuda.local.array(ROWS_PER_THREAD, float32)
+    tile = cuda.shared.array(_STATE_TILE, float32, alignment=_ALIGN)  # W of the chunk, then its K
+    s_shared = cuda.shared.array(_STATE_SLICE, float32, alignment=_ALIGN)  # S [dk][16]
+    d_shared = cuda.shared.array(_DELTA_SLICE, float32, alignment=_ALIGN)  # partial Delta, then scaled Delta
+    fetched = cuda.local.array(_PREFETCH_VALUES, float32)
+    state = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    acc = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    u = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    w_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    s_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    decay_out = cuda.local.array(TILE_ENTRIES, float32)
 
-    head_state = delta_state[slot, head]  # [dk, dv] view
-    for m in range(ROWS_PER_THREAD):
-        state_shared[(first_row + m) * COLUMN_TILE + column] = head_state[first_row + m, value]
+    head_state = delta_state[slot, head]
+    if owner:
+        for a in range(TILE_ENTRIES):
+            r = 4 * rq + a
+            for b in range(4):
+                state[4 * a + b] = head_state[r, col0 + 4 * cq + b]
+            store_shared_f32x4(s_shared, r * STATE_COLUMNS + 4 * cq, state[4 * a], state[4 * a + 1],
+                               state[4 * a + 2], state[4 * a + 3])  # fmt: skip
+            index = (head * k_dim + r) * v_dim + col0 + 4 * cq  # states[0, head, r, ...]
+            store_f32x4(states, index, state[4 * a], state[4 * a + 1], state[4 * a + 2], state[4 * a + 3])
+    _fetch_tile(fetched, w, head * tokens * k_dim, k_dim, min(chunk, tokens), quads, thread, threads)
+    _store_tile(fetched, tile, stride, quads, chunk, thread, threads)
+    _fetch_tile(fetched, mixed, k_column, conv_dim, min(chunk, tokens), quads, thread, threads)
     cuda.syncthreads()
 
-    slab_rows = SLAB_ROWS * groups
-    for chunk_index in range((tokens + chunk - 1) // chunk):
+    for chunk_index in range(chunks):
         t0 = chunk_index * chunk
         length = min(chunk, tokens - t0)
-
-        # (A) rows i = g (mod groups): Delta = U - W S and e^gamma Q S, contracting over all dk rows of S. Two
-        #     passes (W, then Q) keep half as many loads in flight: 128 registers without spills, not 235.
-        for slab in range(0, length, slab_rows):
-            for a in range(SLAB_ROWS):
-                acc_w[a] = _ZERO
-                acc_q[a] = _ZERO
-            for r in range(0, k_dim, 4):
-                s0 = state_shared[r * COLUMN_TILE + column]
-                s1 = state_shared[(r + 1) * COLUMN_TILE + column]
-                s2 = state_shared[(r + 2) * COLUMN_TILE + column]
-                s3 = state_shared[(r + 3) * COLUMN_TILE + column]
-                for a in range(SLAB_ROWS):
-                    t = t0 + min(slab + group + groups * a, length - 1)  # past the end: a valid row, unused
-                    w0, w1, w2, w3 = load_f32x4(w, (head * tokens + t) * k_dim + r)
-                    acc_w[a] += w0 * s0 + w1 * s1 + w2 * s2 + w3 * s3
-            for r in range(0, k_dim, 4):
-                s0 = state_shared[r * COLUMN_TILE + column]
-                s1 = state_shared[(r + 1) * COLUMN_TILE + column]
-                s2 = state_shared[(r + 2) * COLUMN_TILE + column]
-                s3 = state_shared[(r + 3) * COLUMN_TILE + column]
-                for a in range(SLAB_ROWS):
-                    t = t0 + min(slab + group + groups * a, length - 1)
-                    q0, q1, q2, q3 = load_f32x4(mixed, t * conv_dim + q_column + r)
-                    acc_q[a] += q0 * s0 + q1 * s1 + q2 * s2 + q3 * s3
-            for a in range(SLAB_ROWS):
-                i = slab + group + groups * a
+        following = chunk_index + 1 < chunks
+        next_length = min(chunk, tokens - t0 - chunk)
+        chunk_decay = decay[head, t0 + length - 1, 0]
+        if half == 0:  # U and e^(gamma_L - gamma_i) of this thread's rows, in flight during phase 1
+            for a in range(TILE_ENTRIES):
+                i = rg + side * a
+                decay_out[a] = _ZERO
+                for b in range(4):
+                    u[4 * a + b] = _ZERO
                 if i < length:
-                    t = t0 + i
-                    delta_shared[i * COLUMN_TILE + column] = out[t, out_column] - acc_w[a]  # out holds U
-                    qs_shared[i * COLUMN_TILE + column] = decay[head, t, 0] * acc_q[a]
+                    decay_out[a] = decay[head, t0 + i, 1]
+                    index = (t0 + i) * out_width + head * v_dim + col0 + 4 * cq
+                    for b in range(4):
+                        u[4 * a + b] = out[index + b]
+
+        # Phase 1: this half's share of W S for a 4x4 tile of Delta: per 4 key dims 8 LDS.128 for 64 FMAs.
+        for e in range(_TILE_ENTRIES_2D):
+            acc[e] = _ZERO
+        first = half * (k_dim // 2)
+        last = first + k_dim // 2
+        if half > 1:
+            last = first
+        for c in range(first, last, 4):
+            for a in range(TILE_ENTRIES):
+                r = (rg + side * a) * stride + c
+                w_rows[4 * a], w_rows[4 * a + 1], w_rows[4 * a + 2], w_rows[4 * a + 3] = load_shared_f32x4(tile, r)
+                r = (c + a) * STATE_COLUMNS + 4 * cq
+                s_rows[4 * a], s_rows[4 * a + 1], s_rows[4 * a + 2], s_rows[4 * a + 3] = load_shared_f32x4(s_shared, r)
+            for a in range(TILE_ENTRIES):
+                for b in range(4):
+                    for d in range(4):
+                        acc[4 * a + b] += w_rows[4 * a + d] * s_rows[4 * d + b]
+        if half == 1:
+            for a in range(TILE_ENTRIES):
+                index = (rg + side * a) * STATE_COLUMNS + 4 * cq
+                store_shared_f32x4(d_shared, index, acc[4 * a], acc[4 * a + 1], acc[4 * a + 2], acc[4 * a + 3])
+        cuda.syncthreads()  # partials visible; W consumed
+
+        if half == 0:  # Delta = U - W S into out (over U) and e^(gamma_L - gamma_i) Delta_i into d_shared
+            for a in range(TILE_ENTRIES):
+                i = rg + side * a
+                index = i * STATE_COLUMNS + 4 * cq
+                p0, p1, p2, p3 = load_shared_f32x4(d_shared, index)
+                d0 = u[4 * a] - (acc[4 * a] + p0)
+                d1 = u[4 * a + 1] - (acc[4 * a + 1] + p1)
+                d2 = u[4 * a + 2] - (acc[4 * a + 2] + p2)
+                d3 = u[4 * a + 3] - (acc[4 * a + 3] + p3)
+                if i < length:
+                    store_f32x4(out, (t0 + i) * out_width + head * v_dim + col0 + 4 * cq, d0, d1, d2, d3)
+                scale = decay_out[a]
+                store_shared_f32x4(d_shared, index, d0 * scale, d1 * scale, d2 * scale, d3 * scale)
+        _store_tile(fetched, tile, stride, quads, chunk, thread, threads)  # K of this chunk
+        if following:
+            first = (head * tokens + t0 + chunk) * k_dim
+            _fetch_tile(fetched, w, first, k_dim, next_length, quads, thread, threads)
         cuda.syncthreads()
 
-        # (B) o_i = e^gamma_i (Q S)_i + sum_{m <= i} (M o Q K^T)_im Delta_m, over U's place in out.
-        for i in range(group, length, groups):
-            o = qs_shared[i * COLUMN_TILE + column]
-            for m in range(i + 1):
-                o += qk[head, chunk_index, i, m] * delta_shared[m * COLUMN_TILE + column]
-            out[t0 + i, out_column] = o
+        # Phase 2: S <- e^gamma_L S + K^T D for this thread's 4x4 tile of S: per token 2 LDS.128, 16 FMAs.
+        if owner:
+            for e in range(_TILE_ENTRIES_2D):
+                state[e] *= chunk_decay
+            for i in range(length):
+                k0, k1, k2, k3 = load_shared_f32x4(tile, i * stride + 4 * rq)
+                e0, e1, e2, e3 = load_shared_f32x4(d_shared, i * STATE_COLUMNS + 4 * cq)
+                state[0] += k0 * e0
+                state[1] += k0 * e1
+                state[2] += k0 * e2
+                state[3] += k0 * e3
+                state[4] += k1 * e0
+                state[5] += k1 * e1
+                state[6] += k1 * e2
+                state[7] += k1 * e3
+                state[8] += k2 * e0
+                state[9] += k2 * e1
+                state[10] += k2 * e2
+                state[11] += k2 * e3
+                state[12] += k3 * e0
+                state[13] += k3 * e1
+                state[14] += k3 * e2
+                state[15] += k3 * e3
+            for a in range(TILE_ENTRIES):
+                r = 4 * rq + a
+                store_shared_f32x4(s_shared, r * STATE_COLUMNS + 4 * cq, state[4 * a], state[4 * a + 1],
+                                   state[4 * a + 2], state[4 * a + 3])  # fmt: skip
+                if following:
+                    index = (((chunk_index + 1) * num_v_heads + head) * k_dim + r) * v_dim + col0 + 4 * cq
+                    store_f32x4(states, index, state[4 * a], state[4 * a + 1], state[4 * a + 2], state[4 * a + 3])
+        cuda.syncthreads()  # K and D consumed
+        if following:
+            _store_tile(fetched, tile, stride, quads, chunk, thread, threads)  # W of the next chunk
+            first = (t0 + chunk) * conv_dim + k_column
+            _fetch_tile(fetched, mixed, first, conv_dim, next_length, quads, thread, threads)
+        cuda.syncthreads()
 
-        # (C) S <- e^gamma_L S + K^T diag(e^(gamma_L - gamma)) Delta, for this thread's 16 rows.
-        chunk_decay = decay[head, t0 + length - 1, 0]
-        for m in range(ROWS_PER_THREAD):
-            state[m] = state_shared[(first_row + m) * COLUMN_TILE + column] * chunk_decay
-        for i in range(length):
-            t = t0 + i
-            d = delta_shared[i * COLUMN_TILE + column] * decay[head, t, 1]
-            for r in range(0, ROWS_PER_THREAD, 4):
-                k0, k1, k2, k3 = load_f32x4(mixed, t * conv_dim + k_column + first_row + r)
-                state[r] += k0 * d
-                state[r + 1] += k1 * d
-                state[r + 2] += k2 * d
-                state[r + 3] += k3 * d
-        for m in range(ROWS_PER_THREAD):
-            state_shared[(first_row + m) * COLUMN_TILE + column] = state[m]
-        cuda.syncthreads()  # S updated; Delta and Q S free for the next chunk
+    if owner:
+        for a in range(TILE_ENTRIES):
+            for b in range(4):
+                head_state[4 * rq + a, col0 + 4 * cq + b] = state[4 * a + b]
 
-    for m in range(ROWS_PER_THREAD):
-        head_state[first_row + m, value] = state_shared[(first_row + m) * COLUMN_TILE + column]
+
+@kernel(_OUTPUT_SIGNATURE, launch_bounds=OUTPUT_THREADS)
+def gdn_chunk_output(mixed, qk, decay, states, out, num_k_heads, k_dim, v_dim, chunk):
+    """Block (32 value columns, value head, chunk), 2C threads: o = e^gamma Q S_c + (M o Q K^T) Delta over
+    Delta in `out`. Thread tile rows rg + (C/4)a, columns 4cq..4cq+3. `mixed`, `qk`, `states`, `out` are flat."""
+    thread = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    col0 = cuda.blockIdx.x * OUTPUT_COLUMNS
+    head = cuda.blockIdx.y
+    chunk_index = cuda.blockIdx.z
+    num_v_heads = decay.shape[0]
+    tokens = decay.shape[1]
+    conv_dim = 2 * num_k_heads * k_dim + num_v_heads * v_dim
+    out_width = num_v_heads * v_dim
+    q_column = (head % num_k_heads) * k_dim
+    t0 = chunk_index * chunk
+    length = min(chunk, tokens - t0)
+    side = chunk // 4
+    rg = thread // 8
+    cq = thread % 8
+
+    q_stage = cuda.shared.array(_OUTPUT_Q, float32, alignment=_ALIGN)  # Q [C][64 + 4], then M o Q K^T
+    s_stage = cuda.shared.array(_OUTPUT_S, float32, alignment=_ALIGN)  # S_c [64][32 + 4], then Delta
+    acc = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    a_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    b_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    for e in range(_TILE_ENTRIES_2D):
+        acc[e] = _ZERO
+    column_quads = OUTPUT_COLUMNS // 4
+    state_first = (chunk_index * num_v_heads + head) * k_dim
+
+    # Q S_c, 64 key dims staged at a time: per 4 dims 8 LDS.128 for 64 FMAs.
+    for base in range(0, k_dim, MAX_CHUNK):
+        width = min(MAX_CHUNK, k_dim - base)
+        quads = width // 4
+        cuda.syncthreads()
+        for e in range(thread, chunk * quads, threads):
+            i = e // quads
+            col = 4 * (e % quads)
+            x0 = x1 = x2 = x3 = _ZERO
+            if i < length:
+                x0, x1, x2, x3 = load_f32x4(mixed, (t0 + i) * conv_dim + q_column + base + col)
+            store_shared_f32x4(q_stage, i * _WIDE_STRIDE + col, x0, x1, x2, x3)
+        for e in range(thread, width * column_quads, threads):
+            r = e // column_quads
+            col = 4 * (e % column_quads)
+            x0, x1, x2, x3 = load_f32x4(states, (state_first + base + r) * v_dim + col0 + col)
+            store_shared_f32x4(s_stage, r * _OUTPUT_STRIDE + col, x0, x1, x2, x3)
+        cuda.syncthreads()
+        for c in range(0, width, 4):
+            for a in range(TILE_ENTRIES):
+                r = (rg + side * a) * _WIDE_STRIDE + c
+                a_rows[4 * a], a_rows[4 * a + 1], a_rows[4 * a + 2], a_rows[4 * a + 3] = load_shared_f32x4(q_stage, r)
+                r = (c + a) * _OUTPUT_STRIDE + 4 * cq
+                b_rows[4 * a], b_rows[4 * a + 1], b_rows[4 * a + 2], b_rows[4 * a + 3] = load_shared_f32x4(s_stage, r)
+            for a in range(TILE_ENTRIES):
+                for b in range(4):
+                    for d in range(4):
+                        acc[4 * a + b] += a_rows[4 * a + d] * b_rows[4 * d + b]
+    for a in range(TILE_ENTRIES):
+        i = rg + side * a
+        if i < length:
+            scale = decay[head, t0 + i, 0]  # e^gamma_i
+            for b in range(4):
+                acc[4 * a + b] *= scale
+    cuda.syncthreads()
+
+    # + (M o Q K^T) Delta: stage the chunk's C x C matrix and Delta (read whole before o replaces it).
+    quads = chunk // 4
+    qk_first = (head * ((tokens + chunk - 1) // chunk) + chunk_index) * chunk * chunk
+    for e in range(thread, chunk * quads, threads):
+        i = e // quads
+        col = 4 * (e % quads)
+        x0, x1, x2, x3 = load_f32x4(qk, qk_first + i * chunk + col)
+        store_shared_f32x4(q_stage, i * _WIDE_STRIDE + col, x0, x1, x2, x3)
+    for e in range(thread, chunk * column_quads, threads):
+        m = e // column_quads
+        col = 4 * (e % column_quads)
+        x0 = x1 = x2 = x3 = _ZERO
+        if m < length:
+            index = (t0 + m) * out_width + head * v_dim + col0 + col
+            x0 = out[index]
+            x1 = out[index + 1]
+            x2 = out[index + 2]
+            x3 = out[index + 3]
+        store_shared_f32x4(s_stage, m * _OUTPUT_STRIDE + col, x0, x1, x2, x3)
+    cuda.syncthreads()
+    m_end = min(length, rg + side * (TILE_ENTRIES - 1) + 1)  # M o Q K^T is lower triangular
+    m_end = (m_end + 3) // 4 * 4
+    for m in range(0, m_end, 4):
+        for a in range(TILE_ENTRIES):
+            r = (rg + side * a) * _WIDE_STRIDE + m
+            a_rows[4 * a], a_rows[4 * a + 1], a_rows[4 * a + 2], a_rows[4 * a + 3] = load_shared_f32x4(q_stage, r)
+            r = (m + a) * _OUTPUT_STRIDE + 4 * cq
+            b_rows[4 * a], b_rows[4 * a + 1], b_rows[4 * a + 2], b_rows[4 * a + 3] = load_shared_f32x4(s_stage, r)
+        for a in range(TILE_ENTRIES):
+            for b in range(4):
+                for d in range(4):
+                    acc[4 * a + b] += a_rows[4 * a + d] * b_rows[4 * d + b]
+    for a in range(TILE_ENTRIES):
+        i = rg + side * a
+        if i < length:
+            index = (t0 + i) * out_width + head * v_dim + col0 + 4 * cq
+            store_f32x4(out, index, acc[4 * a], acc[4 * a + 1], acc[4 * a + 2], acc[4 * a + 3])
 
 
 @kernel(_SEQUENTIAL_SIGNATURE, launch_bounds=RECURRENCE_THREADS)
@@ -557,25 +845,27 @@ def gdn_prefill_gated_norm(projection, norm_weight, out, rms_eps):
     z_column = projection.shape[1] - (v_dim + 2) * num_v_heads + head * v_dim + column
     out_column = head * v_dim + column
     values = cuda.local.array(NORM_TOKENS, float32)
+    gates = cuda.local.array(NORM_TOKENS, float32)
     squares = cuda.shared.array(_NORM_SQUARES, float32)
-    inverse_rms = cuda.shared.array(NORM_TOKENS, float32)
-    for s in range(NORM_TOKENS):
+    partials = cuda.shared.array(_NORM_PARTIALS, float32)
+    sums = cuda.shared.array(NORM_TOKENS, float32)
+    for s in range(NORM_TOKENS):  # o and z of all 16 tokens in flight before the barriers
         o = _ZERO
+        z = _ZERO
         if first + s < tokens:
             o = out[first + s, out_column]
+            z = projection[first + s, z_column]
         values[s] = o
+        gates[s] = z
         squares[s * _ROW_STRIDE + column] = o * o
     cuda.syncthreads()
-    if column < NORM_TOKENS:
-        total = _ZERO
-        for c in range(v_dim):
-            total += squares[column * _ROW_STRIDE + c]
-        inverse_rms[column] = _ONE / float32(math.sqrt(total / float32(v_dim) + rms_eps))
-    cuda.syncthreads()
+    _sum_squares(squares, partials, sums, v_dim, column, v_dim)
+    weight = norm_weight[column]
     for s in range(NORM_TOKENS):
         t = first + s
         if t < tokens:
-            out[t, out_column] = values[s] * inverse_rms[s] * norm_weight[column] * silu(projection[t, z_column])
+            inverse_rms = _ONE / float32(math.sqrt(sums[s] / float32(v_dim) + rms_eps))
+            out[t, out_column] = values[s] * inverse_rms * weight * silu(gates[s])
 
 
 # -- launchers ---------------------------------------------------------------------------------------
@@ -587,21 +877,25 @@ def num_chunks(tokens: int, chunk: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ChunkWorkspace:
-    """What the chunked path passes from its parallel launch to its sequential one (fp32, device memory)."""
+    """What the chunked path passes between its launches (fp32, device memory)."""
 
     w: Any
     """[Hv, T, dk]: the WY factor W = T diag(beta e^gamma) K of each chunk."""
     qk: Any
     """[Hv, chunks, C, C]: e^(gamma_i - gamma_j) q_i.k_j for j <= i, else 0."""
+    states: Any
+    """[chunks, Hv, dk, dv]: the state at each chunk's start (the state pass writes, the output kernel reads)."""
     decay: Any
     """[Hv, T, 2]: e^gamma_i (chunk start to token i) and e^(gamma_L - gamma_i) (token i to chunk end)."""
 
     @staticmethod
     def shapes(shape: GatedDeltaNetShape, tokens: int, chunk: int) -> tuple[tuple[int, ...], ...]:
         heads = shape.num_v_heads
+        chunks = num_chunks(tokens, chunk)
         return (
             (heads, tokens, shape.k_head_dim),
-            (heads, num_chunks(tokens, chunk), chunk, chunk),
+            (heads, chunks, chunk, chunk),
+            (chunks, heads, shape.k_head_dim, shape.v_head_dim),
             (heads, tokens, 2),
         )
 
@@ -618,7 +912,8 @@ class ChunkWorkspace:
         cls, buffer: Any, shape: GatedDeltaNetShape, tokens: int, chunk: int = DEFAULT_CHUNK
     ) -> ChunkWorkspace:
         """Views into one flat fp32 device buffer (allocated once for the longest prompt, shared by all
-        layers) of at least `nbytes / 4` elements. Every view starts 16-byte aligned when the buffer does."""
+        layers) of at least `nbytes / 4` elements. Every view starts 16-byte aligned when the buffer does (the
+        kernels' 16-byte accesses need that of w, qk and states: their sizes are multiples of 4 elements)."""
         (length,) = check_array(buffer, "buffer", np.float32, 1)
         views = []
         offset = 0
@@ -636,8 +931,9 @@ def check_prefill_shape(shape: GatedDeltaNetShape, chunk: int) -> None:
     """Raise ValueError unless the prefill kernels can run this layer with this chunk length."""
     if shape.k_head_dim > MAX_KEY_DIM:
         raise ValueError(f"GDN prefill kernels take key heads up to {MAX_KEY_DIM}, got dk={shape.k_head_dim}")
-    if shape.v_head_dim % COLUMN_TILE:
-        raise ValueError(f"GDN prefill kernels need dv a multiple of {COLUMN_TILE}, got {shape.v_head_dim}")
+    if shape.v_head_dim % COLUMN_TILE or shape.k_head_dim % ROWS_PER_THREAD:
+        raise ValueError(f"GDN prefill kernels need dv a multiple of {COLUMN_TILE} and dk of {ROWS_PER_THREAD}, "
+                         f"got dv={shape.v_head_dim}, dk={shape.k_head_dim}")  # fmt: skip
     if chunk not in CHUNK_SIZES:
         raise ValueError(f"chunk must be one of {CHUNK_SIZES}, got {chunk}")
     if shape.conv_kernel - 1 > CONV_TOKENS:
@@ -727,45 +1023,55 @@ def prefill_launches(
 
     if workspace is None:
         workspace = ChunkWorkspace.allocate(shape, tokens, chunk)
-    w_shape, qk_shape, decay_shape = ChunkWorkspace.shapes(shape, tokens, chunk)
+    w_shape, qk_shape, states_shape, decay_shape = ChunkWorkspace.shapes(shape, tokens, chunk)
     check_array(workspace.w, "workspace.w", np.float32, 3, w_shape)
     check_array(workspace.qk, "workspace.qk", np.float32, 4, qk_shape)
+    check_array(workspace.states, "workspace.states", np.float32, 4, states_shape)
     check_array(workspace.decay, "workspace.decay", np.float32, 3, decay_shape)
     chunk32 = np.int32(chunk)
+    chunks = num_chunks(tokens, chunk)
+    flat_mixed, flat_w, flat_out = mixed.reshape(-1), workspace.w.reshape(-1), out.reshape(-1)
+    flat_states = workspace.states.reshape(-1)
     prepare = Launch(
         gdn_chunk_prepare,
-        grid=(num_chunks(tokens, chunk), shape.num_v_heads),
+        grid=(chunks, shape.num_v_heads),
         block=((chunk // TILE_ENTRIES) ** 2,),
         args=(
             projection,
-            mixed,
+            flat_mixed,
             weights.ssm_a,
             weights.dt_bias,
-            workspace.w,
+            flat_w,
             workspace.qk,
             workspace.decay,
-            out,
+            flat_out,
             num_k_heads,
             chunk32,
         ),
     )
-    recurrence = Launch(
-        gdn_chunk_recurrence,
-        grid=state_grid,
-        block=state_block,
+    state = Launch(
+        gdn_chunk_state,
+        grid=(shape.num_v_heads, shape.v_head_dim // STATE_COLUMNS),
+        block=(max(2 * chunk, shape.k_head_dim),),
+        args=(flat_mixed, flat_w, workspace.decay, flat_out, flat_states, delta_state, slot32, num_k_heads, chunk32),
+    )
+    output = Launch(
+        gdn_chunk_output,
+        grid=(shape.v_head_dim // OUTPUT_COLUMNS, shape.num_v_heads, chunks),
+        block=(2 * chunk,),
         args=(
-            mixed.reshape(-1),
-            workspace.w.reshape(-1),
-            workspace.qk,
+            flat_mixed,
+            workspace.qk.reshape(-1),
             workspace.decay,
-            out,
-            delta_state,
-            slot32,
+            flat_states,
+            flat_out,
             num_k_heads,
+            np.int32(shape.k_head_dim),
+            np.int32(shape.v_head_dim),
             chunk32,
         ),
     )
-    return [conv, prepare, recurrence, norm]
+    return [conv, prepare, state, output, norm]
 
 
 # -- benchmark (GPU only) ----------------------------------------------------------------------------
@@ -784,7 +1090,7 @@ def benchmark_prefill(
     Each variant's launches are replayed from a CUDA graph (`cmpchat.cuda.profile.profile_launches`: no
     launch overhead in the figures): `<variant>_us` is a whole replay, `<kernel>_us` each kernel's share.
     `speedup` is token by token over chunked for the whole layer, `recurrence_speedup` the same for the
-    recurrence alone (prepare + chunk recurrence against the token loop). `decode_prompt_us` times the decode
+    recurrence alone (prepare + state pass + output against the token loop). `decode_prompt_us` times the decode
     kernels' prompt mode (`decode_step(..., tokens_per_sequence=T)`, what the backend's prompt chunks run).
     """
     from cmpchat.cuda.profile import profile_launches
@@ -821,7 +1127,9 @@ def benchmark_prefill(
         result[f"{name}_us"] = 1e6 * timings.replay
         for kernel_name, seconds in zip(timings.names, timings.attributed(), strict=True):
             result[f"{kernel_name}_us"] = 1e6 * seconds
-    result["chunked_recurrence_us"] = result["gdn_chunk_prepare_us"] + result["gdn_chunk_recurrence_us"]
+    result["chunked_recurrence_us"] = sum(
+        result[f"{name}_us"] for name in ("gdn_chunk_prepare", "gdn_chunk_state", "gdn_chunk_output")
+    )
     result["sequential_recurrence_us"] = result["gdn_prefill_sequential_us"]
     result["speedup"] = result["sequential_us"] / result["chunked_us"]
     result["recurrence_speedup"] = result["sequential_recurrence_us"] / result["chunked_recurrence_us"]
@@ -842,7 +1150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(
         f"{'model':>6} {'tokens':>7} {'chunked us':>11} {'token us':>10} {'ratio':>6}   "
-        f"{'prepare':>9} {'chunk rec':>9} {'token rec':>9} {'rec ratio':>9} {'conv':>8} {'norm':>8} {'decode':>10}"
+        f"{'prepare':>9} {'state':>9} {'output':>9} {'token rec':>9} {'rec ratio':>9} {'conv':>8} {'norm':>8} "
+        f"{'decode':>10}"
     )
     for name in args.models:
         model = MODEL_SHAPES[name]
@@ -853,7 +1162,7 @@ def main(argv: list[str] | None = None) -> int:
             r = benchmark_prefill(shape, tokens, chunk=args.chunk, replays=args.replays)
             print(
                 f"{name:>6} {tokens:>7} {r['chunked_us']:>11.1f} {r['sequential_us']:>10.1f} {r['speedup']:>6.2f}   "
-                f"{r['gdn_chunk_prepare_us']:>9.1f} {r['gdn_chunk_recurrence_us']:>9.1f} "
+                f"{r['gdn_chunk_prepare_us']:>9.1f} {r['gdn_chunk_state_us']:>9.1f} {r['gdn_chunk_output_us']:>9.1f} "
                 f"{r['sequential_recurrence_us']:>9.1f} {r['recurrence_speedup']:>9.2f} "
                 f"{r['gdn_prefill_conv_us']:>8.1f} {r['gdn_prefill_gated_norm_us']:>8.1f} "
                 f"{r['decode_prompt_us']:>10.1f}"
