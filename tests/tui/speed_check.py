@@ -99,7 +99,13 @@ def run_cli(model: str | None, tokens: int, gc_probe: Path | None) -> float:
 
 
 def run_app(
-    model: str | None, tokens: int, size: tuple[int, int], timeout: float, profile: Path | None, gc_probe: Path | None
+    model: str | None,
+    tokens: int,
+    size: tuple[int, int],
+    timeout: float,
+    profile: Path | None,
+    gc_probe: Path | None,
+    app_args: list[str],
 ) -> float:
     home = Path(tempfile.mkdtemp(prefix="cmpchat-speed-"))
     config = home / "config" / "cmpchat" / "config.toml"
@@ -111,7 +117,7 @@ def run_app(
     env = {"XDG_CONFIG_HOME": str(home / "config"), "XDG_DATA_HOME": str(home / "data"), "PYTHONPATH": python_path}
     env.update(probe_env)
     source = ["-m", model] if model else ["--demo"]
-    command = [*cmpchat, *source]
+    command = [*cmpchat, *source, *app_args]
     use_tmux = shutil.which("tmux") and os.environ.get("CMPCHAT_SPEED_TERMINAL") != "pty"
     terminal = TmuxTerminal(command, env, size) if use_tmux else PtyTerminal(command, env, size)
     started = time.monotonic()
@@ -290,6 +296,7 @@ def main() -> None:
     parser.add_argument("--size", default="160x48")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the app may take for one reply")
     parser.add_argument("--profile", type=Path, help="folder for a py-spy GIL profile of the app in each round")
+    parser.add_argument("--app-args", default="", help="more arguments for the app, e.g. '--simulated-gpus 1'")
     parser.add_argument("--gc", action="store_true", help="time every garbage collection, by thread, on both sides")
     args = parser.parse_args()
     size = tuple(int(v) for v in args.size.split("x"))
@@ -308,7 +315,7 @@ def main() -> None:
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s; starting the app", flush=True)
         profile = args.profile / f"app-gil-{round_ + 1}.txt" if args.profile else None
         app_probe = probes / "app.json" if probes else None
-        app.append(run_app(args.model, args.tokens, size, args.timeout, profile, app_probe))  # type: ignore[arg-type]
+        app.append(run_app(args.model, args.tokens, size, args.timeout, profile, app_probe, args.app_args.split()))  # type: ignore[arg-type]
         print(f"round {round_ + 1}: cmpchat run {cli[-1]:.1f} tok/s, app {app[-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(app) / statistics.median(cli)
     print(
