@@ -39,7 +39,7 @@ Numba emits no vector shared-memory access, so the register tiles use the 16-byt
 `store_shared_f32x4` and `store_f32x4` of `cmpchat.cuda.intrinsics` (shared arrays declared 16-byte aligned). Static shared
 memory (sm_70 allows 48 KB): prepare 36 KB, state 45 KB, output 26 KB, sequential 24.1 KB, conv and norm
 16.6 KB; all for dk <= 128, C <= 64. ptxas for sm_70 (CUDA 12.9), registers per thread, no spills: conv 64,
-prepare 128, state 255, output 93, sequential 94, norm 60. No tensor-core instruction (DESIGN.md).
+prepare 128, state 247, output 93, sequential 94, norm 60. No tensor-core instruction (DESIGN.md).
 """
 
 from __future__ import annotations
