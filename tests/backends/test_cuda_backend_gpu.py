@@ -152,6 +152,24 @@ def test_warm_up_prepares_the_first_turn_and_leaves_no_trace():
     assert greedy_tokens(warmed, prompt, 24) == greedy_tokens(cold, prompt, 24)
 
 
+def test_tokens_selected_on_the_gpu_are_the_argmax_of_each_steps_logits():
+    # A prompt's logits lie in a chunk's last row or in the long-prompt step's buffer, a decode step's in
+    # row 0: the selection must read each (its graphs were once bound to the first buffer they saw).
+    from cmpchat.generation.sampling import SamplingParams
+
+    gpu = CudaBackend(ModelFile(ensure_demo_model()), context=4096)
+    gpu.warm_up()
+    for length in (5, PROMPT_ROWS, PROMPT_ROWS + 3):
+        sequence = gpu.new_sequence()
+        logits = gpu.prefill(sequence, [(11 * i) % 7000 for i in range(length)])
+        for _ in range(6):
+            expected = int(np.argmax(gpu.to_host(logits)[-1]))
+            token = gpu.sample(logits, [SamplingParams()], [[]], [np.random.default_rng(0)])[0]
+            assert token == expected, f"prompt of {length}"
+            logits = gpu.decode([sequence], [token])
+        gpu.release(sequence)
+
+
 def test_batched_decode_matches_single_sequences():
     gpu = CudaBackend(ModelFile(ensure_demo_model()), sequences=4, context=4096)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]

@@ -176,11 +176,11 @@ def test_selection_matches_the_unpacked_path(where) -> None:
     batch, vocab = (2, 300) if where == "simulator" else (4, 248_320)
     data = np.random.default_rng(5)
     stream = cuda.stream()
-    sampler = GpuSampler(stream, use_graphs=True)
     rngs = [np.random.default_rng(100 + row) for row in range(batch)]
     reference_rngs = [np.random.default_rng(100 + row) for row in range(batch)]
     histories = [data.integers(0, vocab, 90 + 7 * row).tolist() for row in range(batch)]
     logits = cuda.device_array((batch, vocab), np.float32)  # one buffer, as the backend's step logits
+    sampler = GpuSampler(stream, use_graphs=True, logits_rows=logits)
     for step, settings in enumerate(STEPS):
         params = [settings[row % 2] for row in range(batch)]
         host = (data.standard_normal((batch, vocab)) * 3).astype(np.float32)

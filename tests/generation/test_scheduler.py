@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from cmpchat.backends.base import Backend
 from cmpchat.engine import Model, open_model
 from cmpchat.generation.events import ContentDelta, Finished, PromptProgress
 from cmpchat.generation.generator import GenerationOptions
@@ -71,6 +74,76 @@ def test_batched_greedy_output_equals_single_sequence_output(tiny: Model) -> Non
             expected.timings.generated_tokens,
         )
     assert engine.stats.decode_tokens > engine.stats.decode_steps  # steps really were batched
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Rows of `StepBufferBackend`'s buffer: a handle, like the CUDA backend's logits."""
+
+    start: int
+    count: int
+
+
+class StepBufferBackend(Backend):
+    """The CUDA backend's contract over the reference backend: logits are handles to rows of one step
+    buffer that the next prefill or decode overwrites (a prompt chunk's last row sits at its length - 1);
+    only `sample` and `to_host` read them."""
+
+    name = "step-buffer"
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.config = inner.config
+        self.rows = np.zeros((16, inner.config.vocab_size), np.float32)
+
+    def new_sequence(self):
+        return self.inner.new_sequence()
+
+    def copy_sequence(self, sequence):
+        return self.inner.copy_sequence(sequence)
+
+    def sequence_length(self, sequence) -> int:
+        return self.inner.sequence_length(sequence)
+
+    def release(self, sequence) -> None:
+        self.inner.release(sequence)
+
+    def prefill(self, sequence, tokens, *, positions=None, all_logits=False):
+        last = min(len(tokens), len(self.rows)) - 1
+        self.rows[last] = self.inner.prefill(sequence, tokens)
+        return StepRows(last, 1)
+
+    def decode(self, sequences, tokens):
+        self.rows[: len(sequences)] = self.inner.decode(sequences, tokens)
+        return StepRows(0, len(sequences))
+
+    def to_host(self, logits):
+        return self.rows[logits.start : logits.start + logits.count].copy()
+
+
+def test_logits_are_sampled_before_the_next_step_overwrites_them(tiny: Model) -> None:
+    options = GenerationOptions(max_tokens=12, prefill_chunk=8)
+    requests = [GenerationRequest(p, options) for p in prompts(tiny, 8)]
+    alone = [list(tiny.generator.generate(list(r.prompt), options))[-1].content for r in requests]
+    engine = BatchEngine(StepBufferBackend(tiny.backend), tiny.tokenizer, slots=4, prefill_chunk=8, cache_entries=0)
+    collector = run_all(engine, requests)
+    assert [collector.finished(i).content for i in range(len(requests))] == alone
+
+
+@pytest.mark.gpu
+def test_the_engine_serves_from_the_gpu_backend(tiny_model_path: Path) -> None:
+    model = open_model(tiny_model_path, backend="cuda", sequences=4, context=4096)
+    options = GenerationOptions(max_tokens=12, prefill_chunk=8)
+    requests = [GenerationRequest(p, options) for p in prompts(model, 6)]
+    first_tokens = [list(model.generator.generate(list(r.prompt), options))[-1].content[:1] for r in requests]
+    engine = BatchEngine(model.backend, model.tokenizer, slots=4, prefill_chunk=8, cache_entries=0)
+    collector = run_all(engine, requests)
+    for i in range(len(requests)):
+        assert not any(isinstance(event, Failed) for event in collector.events[i])
+        finished = collector.finished(i)
+        assert finished.reason in ("length", "stop") and finished.timings.generated_tokens >= 1
+        assert finished.content[:1] == first_tokens[i]  # both chose from the prompt's last logits
+    assert engine.stats.decode_tokens > engine.stats.decode_steps
 
 
 def test_seeded_sampling_in_a_batch_equals_sampling_alone(tiny: Model) -> None:

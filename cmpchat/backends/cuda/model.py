@@ -106,7 +106,7 @@ class CudaBackend(Backend):
         self._free_slots = list(range(self.plan.sequences))[::-1]
         # (bucket, rows are one prompt's tokens) -> the step (its launches hold their attention scratch)
         self._steps: dict[tuple[int, bool], StepLaunches] = {}
-        self._sampler = GpuSampler(self.stream, use_graphs)
+        self._sampler = GpuSampler(self.stream, use_graphs, self.buffers.logits)
         # Long prompts: one step of PROMPT_ROWS tokens, captured per slot (None: the model cannot take it).
         self.prompt_buffers: PromptBuffers | None = None
         if prompt_step_supported(self.config, self.weights) is None:

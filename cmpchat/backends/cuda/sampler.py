@@ -105,9 +105,14 @@ class _Selection:
 
 
 class GpuSampler:
-    def __init__(self, stream: Any, use_graphs: bool) -> None:
+    """Selects from `logits_rows[:B]` for B rows, a device buffer [rows, V]: the graphs are captured with its
+    address. Give it the backend's step buffer, so a decode step's logits are read where they lie; logits
+    from anywhere else (a prompt chunk's last row, the long-prompt step's own buffer) are copied there first."""
+
+    def __init__(self, stream: Any, use_graphs: bool, logits_rows: Any) -> None:
         self.stream = stream
         self.use_graphs = use_graphs
+        self.logits_rows = logits_rows
         self._by_batch: dict[int, _Selection] = {}
 
     def select(
@@ -117,10 +122,13 @@ class GpuSampler:
         histories: Sequence[Sequence[int]],
         rngs: Sequence[np.random.Generator],
     ) -> list[int]:
-        """Token ids for each row of `logits` (a device [B, V] array; edited in place by the penalties)."""
+        """Token ids for each row of `logits` (a device [B, V] array). The penalties edit the rows they read."""
         batch = len(params)
         width = max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
-        selection = self._selection(logits, batch, width)
+        rows = self.logits_rows[:batch]
+        if _address(logits) != _address(rows):
+            rows.copy_to_device(logits, stream=self.stream)
+        selection = self._selection(rows, batch, width)
         # A key from every reply's generator every step, greedy rows too, so seeded replies stay reproducible.
         seeds = [int(rng.integers(0, 2**63)) for rng in rngs]
         greedy = all(p.is_greedy for p in params)
@@ -173,3 +181,8 @@ class GpuSampler:
         )
         self._by_batch[batch] = selection
         return selection
+
+
+def _address(array: Any) -> int:
+    """Where a device array's data starts (in the simulator, that of the host array standing in for it)."""
+    return array.__array_interface__["data"][0] if SIMULATOR else array.device_ctypes_pointer.value

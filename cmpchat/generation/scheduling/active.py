@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from cmpchat.generation.events import Timings
 from cmpchat.generation.reply import Reply
 from cmpchat.generation.scheduling.request import EngineEvent, EventSink, GenerationRequest, RequestHandle
@@ -26,8 +24,6 @@ class ActiveRequest:
     prefilled: int = 0
     """Prompt tokens the sequence has consumed, cached ones included."""
     cached_tokens: int = 0
-    logits: np.ndarray | None = None
-    """Next-token logits waiting to be sampled."""
     next_token: int | None = None
     """The sampled token the next decode step feeds in."""
     prompt_done_at: float | None = None

@@ -1,10 +1,11 @@
 """The batching engine: many replies over one backend, driven step by step or from its own thread.
 
 Each step: drop cancelled requests, admit waiting ones into free slots (resuming from the longest saved
-prompt prefix), prefill up to one chunk of prompt tokens, run one batched decode step for every request
-with a sampled token, sample all rows that have fresh logits in one `backend.sample` call, feed each
-token to its request's `Reply` (the same stop rules and output parsing as the single-sequence
-generator), and hand each request its new events. The engine knows nothing of HTTP or asyncio: events
+prompt prefix), prefill up to one chunk of prompt tokens (sampling the first token of each prompt that is
+done), run one batched decode step for every request with a sampled token and sample its rows in one
+`backend.sample` call, feed each token to its request's `Reply` (the same stop rules and output parsing as
+the single-sequence generator), and hand each request its new events. Logits stay as the backend returned
+them (on a GPU backend, a view of its step buffer on the GPU) and are sampled before the next step. The engine knows nothing of HTTP or asyncio: events
 go to a callback per request.
 """
 
@@ -15,8 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-
-import numpy as np
 
 from cmpchat.backends.base import Backend
 from cmpchat.generation.events import DecodeProgress, PromptProgress
@@ -154,7 +153,6 @@ class BatchEngine:
             self._start(item)
         self._prefill()
         self._decode()
-        self._sample()
         self._publish()
         with self._lock:
             return bool(self.scheduler.waiting or self.scheduler.running)
@@ -192,7 +190,9 @@ class BatchEngine:
             self._emit(item, [PromptProgress(end, len(item.prompt), rate)])
             if not item.is_prefilling:
                 item.prompt_done_at = now
-                item.logits = np.asarray(logits)
+                # Sampled now: a GPU backend's logits are a view of its step buffer, which the decode step
+                # below overwrites. The request then joins that step.
+                self._sample([item], logits)
 
     def _decode(self) -> None:
         batch = self.scheduler.decode_batch()
@@ -204,32 +204,31 @@ class BatchEngine:
         except Exception as err:
             self._fail(batch, _describe(err))
             return
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(batch)
-        self.stats.decode_seconds += time.perf_counter() - started
-        for item, row in zip(batch, logits, strict=True):
-            item.logits = row
+        for item in batch:
             item.next_token = None
             item.decode_steps += 1
+        self._sample(batch, logits)
+        # Until the tokens are sampled: a GPU backend's decode() only queues the step.
+        self.stats.decode_seconds += time.perf_counter() - started
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(batch)
 
-    def _sample(self) -> None:
-        ready = [item for item in self.scheduler.running if item.logits is not None]
-        if not ready:
-            return
+    def _sample(self, items: list[ActiveRequest], logits: object) -> None:
+        """Select the next token of each of `items` from the rows of `logits` (as the backend returned
+        them) in one call, and feed each to its reply."""
         try:
             tokens = self.backend.sample(
-                np.stack([item.logits for item in ready]),
-                [item.reply.sampling for item in ready],
-                [item.reply.history for item in ready],
-                [item.reply.rng for item in ready],
+                logits,
+                [item.reply.sampling for item in items],
+                [item.reply.history for item in items],
+                [item.reply.rng for item in items],
             )
         except Exception as err:
-            self._fail(ready, _describe(err))
+            self._fail(items, _describe(err))
             return
         now = time.perf_counter()
         done: list[ActiveRequest] = []
-        for item, token in zip(ready, tokens, strict=True):
-            item.logits = None
+        for item, token in zip(items, tokens, strict=True):
             if item.first_token_at is None:
                 item.first_token_at = now
             item.last_token_at = now

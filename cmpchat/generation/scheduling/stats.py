@@ -26,7 +26,7 @@ class EngineStats:
     decode_tokens: int = 0
     """Sequence-steps decoded: each step adds its batch size."""
     decode_seconds: float = 0.0
-    """Time spent in decode calls."""
+    """Time spent in decode steps, from the call until its tokens are sampled (a GPU step runs meanwhile)."""
     generated_tokens: int = 0
     """Tokens sampled and handed to replies (every reply's first token comes from prefill logits)."""
     finished: Counter[str] = field(default_factory=lambda: Counter(dict.fromkeys(FINISH_REASONS, 0)))
