@@ -4,6 +4,7 @@ prefill interleaves with decoding, the queue is bounded, cancellation and failur
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,22 @@ def test_logits_are_sampled_before_the_next_step_overwrites_them(tiny: Model) ->
     engine = BatchEngine(StepBufferBackend(tiny.backend), tiny.tokenizer, slots=4, prefill_chunk=8, cache_entries=0)
     collector = run_all(engine, requests)
     assert [collector.finished(i).content for i in range(len(requests))] == alone
+
+
+class WaitingBackend(StepBufferBackend):
+    """As a GPU backend: the wait for a step ends when its tokens are sampled."""
+
+    def sample(self, logits, params, histories, rngs):
+        time.sleep(0.01)
+        return super().sample(logits, params, histories, rngs)
+
+
+def test_decode_time_runs_until_the_tokens_are_back(tiny: Model) -> None:
+    requests = [GenerationRequest(p, GenerationOptions(max_tokens=6)) for p in prompts(tiny, 3)]
+    engine = BatchEngine(WaitingBackend(tiny.backend), tiny.tokenizer, slots=4, cache_entries=0)
+    run_all(engine, requests)
+    assert engine.stats.decode_steps > 0
+    assert engine.stats.decode_seconds >= 0.01 * engine.stats.decode_steps
 
 
 @pytest.mark.gpu

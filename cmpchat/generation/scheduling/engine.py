@@ -5,8 +5,8 @@ prompt prefix), prefill up to one chunk of prompt tokens (sampling the first tok
 done), run one batched decode step for every request with a sampled token and sample its rows in one
 `backend.sample` call, feed each token to its request's `Reply` (the same stop rules and output parsing as
 the single-sequence generator), and hand each request its new events. Logits stay as the backend returned
-them (on a GPU backend, a view of its step buffer on the GPU) and are sampled before the next step. The engine knows nothing of HTTP or asyncio: events
-go to a callback per request.
+them (on a GPU backend, a view of its step buffer on the GPU) and are sampled before the next step. The
+engine knows nothing of HTTP or asyncio: events go to a callback per request.
 """
 
 from __future__ import annotations
@@ -207,15 +207,14 @@ class BatchEngine:
         for item in batch:
             item.next_token = None
             item.decode_steps += 1
-        self._sample(batch, logits)
-        # Until the tokens are sampled: a GPU backend's decode() only queues the step.
-        self.stats.decode_seconds += time.perf_counter() - started
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(batch)
+        self._sample(batch, logits, decode_started=started)
 
-    def _sample(self, items: list[ActiveRequest], logits: object) -> None:
+    def _sample(self, items: list[ActiveRequest], logits: object, decode_started: float | None = None) -> None:
         """Select the next token of each of `items` from the rows of `logits` (as the backend returned
-        them) in one call, and feed each to its reply."""
+        them) in one call, and feed each to its reply. For a decode step's logits, `decode_started` is when
+        the step was called: its time runs until the tokens are back (a GPU backend's decode() only queues)."""
         try:
             tokens = self.backend.sample(
                 logits,
@@ -227,6 +226,8 @@ class BatchEngine:
             self._fail(items, _describe(err))
             return
         now = time.perf_counter()
+        if decode_started is not None:
+            self.stats.decode_seconds += now - decode_started
         done: list[ActiveRequest] = []
         for item, token in zip(items, tokens, strict=True):
             if item.first_token_at is None:
