@@ -3,9 +3,10 @@
 A decode step's integer inputs (tokens, positions, page table, GDN slots) are views of one device buffer that
 one copy from pinned memory fills; GPU selection uploads one packed buffer (only the part its graph reads)
 and brings the ids back through pinned memory. These tests check the views' layout, that staged rows land
-where the kernels read them, and that selection picks what the unpacked path (fresh device arrays, every
-input uploaded, as before the packing) picks, with the same draws from each reply's generator. They run
-under the CUDA simulator; the `gpu` variants repeat them on a GPU (`pytest -m gpu`).
+where the kernels read them, that selection picks what the unpacked path (fresh device arrays, every
+input uploaded, as before the packing) picks, with the same draws from each reply's generator, and that it
+reads the logits it is given wherever they lie (its graphs are captured with one buffer's address). They
+run under the CUDA simulator; the `gpu` variants repeat them on a GPU (`pytest -m gpu`).
 """
 
 from __future__ import annotations
@@ -196,3 +197,20 @@ def test_selection_matches_the_unpacked_path(where) -> None:
             history.append(token)
     # Every step took one draw from each reply's generator, as before.
     assert [int(r.integers(0, 2**63)) for r in rngs] == [int(r.integers(0, 2**63)) for r in reference_rngs]
+
+
+@pytest.mark.parametrize("where", ON_DEVICE)
+def test_each_selection_reads_the_logits_it_is_given(where) -> None:
+    # A decode step's rows, a prompt chunk's last row and the long-prompt step's own buffer, in turn.
+    vocab = 96
+    stream = cuda.stream()
+    step_rows = cuda.to_device(np.zeros((4, vocab), np.float32))  # a step's logits buffer
+    sampler = GpuSampler(stream, use_graphs=True, logits_rows=step_rows)
+    own_buffer = cuda.to_device(np.zeros((1, vocab), np.float32))
+    rng = [np.random.default_rng(0)]
+    greedy = [SamplingParams()]
+    for source, row, winner in ((step_rows, 0, 5), (step_rows, 2, 17), (own_buffer, 0, 40), (step_rows, 0, 63)):
+        host = np.zeros((source.shape[0], vocab), np.float32)
+        host[row, winner] = 1.0
+        source.copy_to_device(host)
+        assert sampler.select(source[row : row + 1], greedy, [[]], rng) == [winner]

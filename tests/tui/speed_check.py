@@ -13,6 +13,7 @@ the pseudo-terminal.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -68,16 +69,14 @@ def cmpchat_command(gc_probe: Path | None) -> tuple[list[str], dict[str, str]]:
 def read_gc(gc_probe: Path | None) -> dict[str, list[float]]:
     if gc_probe is None or not gc_probe.exists():
         return {}
-    import json
-
     return json.loads(gc_probe.read_text())
 
 
 def print_gc(gc_probe: Path | None, who: str, before: dict[str, list[float]] | None = None) -> None:
     """The probe's figures, less those of `before` (the collections while the model loaded)."""
     for key, (count, total, longest) in sorted(read_gc(gc_probe).items()):
-        count -= (before or {}).get(key, [0, 0.0])[0]
-        total -= (before or {}).get(key, [0, 0.0])[1]
+        base_count, base_total, _ = (before or {}).get(key, (0, 0.0, 0.0))
+        count, total = count - base_count, total - base_total
         if count:
             print(
                 f"  {who} GC {key}: {count} collections, {total * 1000:.0f} ms (longest of all {longest * 1000:.1f} ms)"
@@ -268,8 +267,6 @@ def _finished_stats(database: Path) -> dict | None:
     """The app's statistics of its finished reply, once it has saved one."""
     if not database.exists():
         return None
-    import json
-
     with sqlite3.connect(database) as db:
         row = db.execute("SELECT stats FROM messages WHERE role='assistant' AND status='complete'").fetchone()
     return json.loads(row[0]) if row else None
