@@ -16,14 +16,27 @@ from cmpchat.generation.sampling import SamplingParams, sample_token
 from cmpchat.model.config import ModelConfig
 
 
+class Choice:
+    """The tokens chosen for a step's rows (`Backend.choose`). Here they are known at once; a GPU backend's
+    subclass holds them on the device, where the next decode step can read them before the host has."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self._ids = ids
+
+    def ids(self) -> list[int]:
+        """The chosen token ids, one per row (on a GPU backend this waits for the selection to run)."""
+        return self._ids
+
+
 class Backend(ABC):
     """A loaded model that turns token ids into next-token logits for one or many sequences."""
 
     name: str
     config: ModelConfig
     decode_is_queued: bool = False
-    """True when `decode` returns once the step is queued (a GPU backend): a caller can do its own work for
-    the previous token while the step runs, and waits for it when it samples."""
+    """True when `decode` and `decode_chosen` return once the step is queued (a GPU backend): a caller can
+    queue the step that consumes a choice before reading the chosen ids, and handle those ids (text, events)
+    while that step runs."""
 
     @abstractmethod
     def new_sequence(self) -> Any:
@@ -56,6 +69,11 @@ class Backend(ABC):
         """One token for each sequence in one step; logits [B, vocab] (a device handle on GPU backends:
         pass it to `sample`, or to `to_host` when the values themselves are needed)."""
 
+    def decode_chosen(self, sequences: Sequence[Any], choice: Choice) -> Any:
+        """`decode` of the tokens of `choice` (from `choose` on this backend's latest logits, one row per
+        sequence); a GPU backend feeds them from the device without waiting for them."""
+        return self.decode(sequences, choice.ids())
+
     def to_host(self, logits: Any) -> np.ndarray:
         """Logits as a host array (a copy from the GPU on GPU backends: 1 MB per row, so only when asked)."""
         return np.asarray(logits)
@@ -81,3 +99,14 @@ class Backend(ABC):
         """Pick the next token for each row of `logits` (host-side by default; GPU backends sample on the GPU)."""
         rows = np.atleast_2d(self.to_host(logits))
         return [sample_token(row, p, h, r) for row, p, h, r in zip(rows, params, histories, rngs, strict=True)]
+
+    def choose(
+        self,
+        logits: Any,
+        params: Sequence[SamplingParams],
+        histories: Sequence[Sequence[int]],
+        rngs: Sequence[np.random.Generator],
+    ) -> Choice:
+        """`sample`, as a `Choice` that `decode_chosen` can take before its ids are read (GPU backends queue
+        the selection and return at once)."""
+        return Choice(self.sample(logits, params, histories, rngs))

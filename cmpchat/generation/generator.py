@@ -64,9 +64,17 @@ class Generator:
             decode_seconds = 0.0
             decode_steps = 0
             while not reply.done:
-                token = backend.sample(logits, [reply.sampling], [reply.history], [reply.rng])[0]
+                choice = backend.choose(logits, [reply.sampling], [reply.history], [reply.rng])
+                # Where decode() only queues, the step that consumes this token is queued before its id is read
+                # back, so the GPU runs it while the host turns the token into text (and while the caller
+                # handles the events). It is wasted when the token ends the reply; the sequence is released then.
+                cancelled = cancel is not None and cancel.is_set()
+                queued = backend.decode_is_queued and not cancelled and not reply.next_is_last
+                if queued:
+                    logits = backend.decode_chosen([sequence], choice)
+                token = choice.ids()[0]
                 # Decode time runs from the first token to the latest, as a reader sees them: a GPU backend's
-                # decode() only queues the step, and the wait for it ends in sample().
+                # steps are only queued, and the wait for them ends in ids().
                 now = time.perf_counter()
                 if first_token_at is None:
                     first_token_at = now - start
@@ -74,13 +82,6 @@ class Generator:
                 else:
                     decode_steps += 1
                     decode_seconds = now - decode_started
-                # Where decode() only queues the step, the next one is queued before this token's text work
-                # (decoding, parsing, and whatever the caller does with the events) so the GPU runs meanwhile.
-                # It is wasted only when that text completes a stop string: the sequence is released then.
-                cancelled = cancel is not None and cancel.is_set()
-                queued = backend.decode_is_queued and not cancelled and not reply.ends_with(token)
-                if queued:
-                    logits = backend.decode([sequence], [token])
                 yield from reply.accept(token)
                 if decode_steps:
                     yield DecodeProgress(reply.generated, decode_steps / decode_seconds if decode_seconds > 0 else 0.0)

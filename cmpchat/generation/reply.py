@@ -85,10 +85,10 @@ class Reply:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def ends_with(self, token: int) -> bool:
-        """Whether accepting `token` surely ends the reply (an end token, or the last the budget allows); a
-        stop string is only seen once `accept` has decoded its text."""
-        return token in self._end_tokens or self.generated + 1 >= self.budget
+    @property
+    def next_is_last(self) -> bool:
+        """Whether the next token is the last the budget allows (no step needs to follow it)."""
+        return self.generated + 1 >= self.budget
 
     def accept(self, token: int) -> list[Event]:
         """Take the next sampled token; return the text events it completes. Sets `finish_reason` at the end."""

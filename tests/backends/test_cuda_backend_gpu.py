@@ -170,6 +170,34 @@ def test_tokens_selected_on_the_gpu_are_the_argmax_of_each_steps_logits():
         gpu.release(sequence)
 
 
+def test_the_generator_feeds_each_choice_on_the_gpu_and_gets_the_host_fed_tokens():
+    # The generator queues each step with the selection's ids still on the GPU (decode_chosen) and reads
+    # them while it runs: its greedy reply must be the host-fed argmax loop's, and a seeded sampled reply
+    # the same twice.
+    from cmpchat.generation.generator import GenerationOptions, Generator
+    from cmpchat.generation.sampling import SamplingParams
+    from cmpchat.tokenizer import Tokenizer
+
+    model_file = ModelFile(ensure_demo_model())
+    gpu = CudaBackend(model_file, context=4096)
+    gpu.warm_up()
+    tokenizer = Tokenizer.from_metadata(model_file.metadata)
+    generator = Generator(gpu, tokenizer)
+    prompt = [(13 * i) % 9000 for i in range(PROMPT_ROWS + 5)]
+    steps = 60
+    expected = greedy_tokens(gpu, prompt, steps)
+    ends = [i for i, t in enumerate(expected) if t in tokenizer.eos_token_ids]
+    expected = expected[: ends[0]] if ends else expected
+
+    greedy = GenerationOptions(max_tokens=steps, raw_text=True)
+    finished = list(generator.generate(prompt, greedy))[-1]
+    assert finished.content == tokenizer.decode(expected)
+    sampled = GenerationOptions(max_tokens=steps, raw_text=True, sampling=SamplingParams(temperature=0.8, seed=4))
+    assert (
+        list(generator.generate(prompt, sampled))[-1].content == list(generator.generate(prompt, sampled))[-1].content
+    )
+
+
 def test_batched_decode_matches_single_sequences():
     gpu = CudaBackend(ModelFile(ensure_demo_model()), sequences=4, context=4096)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]

@@ -159,12 +159,13 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1)
 SAMPLED_PENALISED = SamplingParams(temperature=1.1, min_p=0.05, repetition_penalty=1.2, penalty_window=48, seed=2)
 WIDE = SamplingParams(temperature=0.7, frequency_penalty=0.3, penalty_window=80)  # a wider device window
 # Steps of one batch, so one cached selection sees every switch: penalties on and off (the window is then
-# not uploaded), greedy and sampled graphs (the keys are not uploaded for greedy), settings changed and back;
+# not uploaded), greedy and sampled graphs (the keys are not uploaded for greedy), settings changed, kept and back;
 # then a penalty window wider than the device's, which rebuilds the selection.
 STEPS = [
     [GREEDY, PENALISED],
     [SAMPLED, GREEDY],
     [GREEDY, GREEDY],
+    [GREEDY, GREEDY],  # nothing to upload: the device keeps the parameters
     [SAMPLED_PENALISED, SAMPLED],
     [SAMPLED, GREEDY],
     [PENALISED, SAMPLED_PENALISED],
@@ -181,15 +182,17 @@ def test_selection_matches_the_unpacked_path(where) -> None:
     reference_rngs = [np.random.default_rng(100 + row) for row in range(batch)]
     histories = [data.integers(0, vocab, 90 + 7 * row).tolist() for row in range(batch)]
     logits = cuda.device_array((batch, vocab), np.float32)  # one buffer, as the backend's step logits
-    sampler = GpuSampler(stream, use_graphs=True, logits_rows=logits)
+    token_rows = cuda.device_array(16, np.int32)
+    sampler = GpuSampler(stream, use_graphs=True, logits_rows=logits, token_rows=token_rows)
     for step, settings in enumerate(STEPS):
         params = [settings[row % 2] for row in range(batch)]
         host = (data.standard_normal((batch, vocab)) * 3).astype(np.float32)
         host[:, histories[0][-3:]] += 4  # recent tokens near the top, so the penalties matter
         expected = unpacked_select(host, params, histories, reference_rngs)
         logits.copy_to_device(host)
-        got = sampler.select(logits, params, histories, rngs)
+        got = sampler.select(logits, params, histories, rngs).ids()
         assert got == expected, f"step {step}"
+        assert token_rows.copy_to_host()[:batch].tolist() == got  # where the next decode step reads them
         for row, p in enumerate(params):
             if p.is_greedy:
                 assert got[row] == sample_token(host[row], p, histories[row], np.random.default_rng()), f"step {step}"
@@ -205,7 +208,7 @@ def test_each_selection_reads_the_logits_it_is_given(where) -> None:
     vocab = 96
     stream = cuda.stream()
     step_rows = cuda.to_device(np.zeros((4, vocab), np.float32))  # a step's logits buffer
-    sampler = GpuSampler(stream, use_graphs=True, logits_rows=step_rows)
+    sampler = GpuSampler(stream, use_graphs=True, logits_rows=step_rows, token_rows=cuda.device_array(16, np.int32))
     own_buffer = cuda.to_device(np.zeros((1, vocab), np.float32))
     rng = [np.random.default_rng(0)]
     greedy = [SamplingParams()]
@@ -213,4 +216,41 @@ def test_each_selection_reads_the_logits_it_is_given(where) -> None:
         host = np.zeros((source.shape[0], vocab), np.float32)
         host[row, winner] = 1.0
         source.copy_to_device(host)
-        assert sampler.select(source[row : row + 1], greedy, [[]], rng) == [winner]
+        assert sampler.select(source[row : row + 1], greedy, [[]], rng).ids() == [winner]
+
+
+@pytest.mark.parametrize("where", ON_DEVICE)
+def test_a_choice_is_read_before_the_next_one_overwrites_it(where) -> None:
+    vocab = 64
+    stream = cuda.stream()
+    logits = cuda.to_device(np.zeros((1, vocab), np.float32))
+    sampler = GpuSampler(stream, use_graphs=True, logits_rows=logits, token_rows=cuda.device_array(16, np.int32))
+    rng, greedy = [np.random.default_rng(0)], [SamplingParams()]
+    first = sampler.select(logits, greedy, [[]], rng)
+    logits.copy_to_device(np.eye(1, vocab, 9, dtype=np.float32))
+    second = sampler.select(logits, greedy, [[]], rng)  # waits for the first's copy before refilling the inputs
+    assert second.ids() == [9]
+    with pytest.raises(RuntimeError, match="overwrote"):
+        first.ids()
+
+
+@pytest.mark.parametrize("where", ON_DEVICE)
+def test_a_chosen_token_feeds_the_next_step_on_the_device(tiny_model_path, where) -> None:
+    backend = CudaBackend(ModelFile(tiny_model_path), context=256)
+    runs: list[tuple[int, bool]] = []
+    backend._run = lambda bucket, prompt: runs.append((bucket, prompt))  # the inputs only: kernels have own tests
+    sequence = backend.new_sequence()
+    logits = backend.decode([sequence], [5])
+    logits.device.copy_to_device(np.eye(1, backend.config.vocab_size, 77, dtype=np.float32))
+    choice = backend.choose(logits, [SamplingParams()], [[5]], [np.random.default_rng(0)])
+    backend.decode_chosen([sequence], choice)  # queued before the id is read back
+    backend.stream.synchronize()
+    tokens, positions, _, slots = device_inputs(backend.buffers)
+    assert (tokens[0], tuple(positions[0]), slots[0]) == (77, (1, 1, 1, 1), sequence.slot)
+    assert choice.ids() == [77]
+    # After a host-fed step the token input holds that step's token, so the choice's id comes from the host.
+    backend.decode([sequence], [9])
+    backend.decode_chosen([sequence], choice)
+    backend.stream.synchronize()
+    assert device_inputs(backend.buffers)[0][0] == 77
+    assert runs == [(1, False)] * 4 and sequence.length == 4

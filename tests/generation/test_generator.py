@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from cmpchat.backends.base import Backend
+from cmpchat.backends.base import Backend, Choice
 from cmpchat.engine import open_model
 from cmpchat.errors import CmpchatError
 from cmpchat.generation.events import (
@@ -102,20 +102,41 @@ def test_content_streams_and_end_token_stops(tiny):
     assert sum(isinstance(e, DecodeProgress) for e in events) == finished.timings.decode_steps
 
 
-class QueuingBackend(ScriptedBackend):
-    """As a GPU backend: decode() only queues the step; the wait for it happens when sampling reads it."""
+class QueuedChoice(Choice):
+    """A GPU backend's choice: reading the ids waits for the step queued before."""
 
-    decode_is_queued = True
+    def __init__(self, backend: QueuingBackend, ids: list[int]) -> None:
+        super().__init__(ids)
+        self.backend = backend
+
+    def ids(self) -> list[int]:
+        self.backend.log.append("read")
+        if self.backend.queued:
+            time.sleep(0.02)
+            self.backend.queued = False
+        return super().ids()
+
+
+class QueuingBackend(ScriptedBackend):
+    """As a GPU backend: steps are only queued, the wait for one ends when a choice's ids are read, and a
+    step can take a choice before its ids are read (`queued=False`: as the reference backend)."""
+
+    def __init__(self, config, script, queued: bool = True) -> None:
+        super().__init__(config, script)
+        self.decode_is_queued = queued
+        self.queued = False
+        self.log: list[str] = []
 
     def decode(self, sequences, tokens):
+        self.log.append("step")
         self.queued = True
         return super().decode(sequences, tokens)
 
-    def sample(self, logits, params, histories, rngs):
-        if getattr(self, "queued", False):
-            time.sleep(0.02)
-            self.queued = False
-        return super().sample(logits, params, histories, rngs)
+    def decode_chosen(self, sequences, choice):
+        return self.decode(sequences, [])  # the script ignores the tokens: nothing is read back here
+
+    def choose(self, logits, params, histories, rngs):
+        return QueuedChoice(self, self.sample(logits, params, histories, rngs))
 
 
 def test_decode_time_covers_the_wait_for_each_token(tiny):
@@ -132,16 +153,26 @@ def test_decode_time_covers_the_wait_for_each_token(tiny):
 def test_a_queued_step_runs_while_the_token_text_is_handled(tiny, queued):
     config, tokenizer = tiny
     script = tokenizer.encode("one two three") + [tokenizer.encode("<|im_end|>")[0]]
-    backend = (QueuingBackend if queued else ScriptedBackend)(config, script)
-    log = []
-    backend_decode = backend.decode
-    backend.decode = lambda sequences, tokens: log.append("step") or backend_decode(sequences, tokens)
+    backend = QueuingBackend(config, script, queued)
     for event in Generator(backend, tokenizer).generate([1, 2, 3]):
         if isinstance(event, ContentDelta):
-            log.append("text")
-    # Queued: the step that feeds a token is on its way before that token's text comes out.
-    assert log[0] == ("step" if queued else "text")
-    assert log.count("step") == len(script) - 1  # the end token needs no step
+            backend.log.append("text")
+    if queued:
+        # The step that consumes a token is queued before the token's id is read back, so it runs while the
+        # text is made; the end token's step is queued too (its id is not known in time) and goes unused.
+        assert backend.log[:3] == ["step", "read", "text"]
+        assert backend.log.count("step") == len(script)
+    else:
+        assert backend.log[:2] == ["read", "text"]
+        assert backend.log.count("step") == len(script) - 1  # the end token needs no step
+
+
+def test_no_step_is_queued_past_the_token_budget(tiny):
+    config, tokenizer = tiny
+    backend = QueuingBackend(config, tokenizer.encode("abcdefgh"))
+    _, finished = run(Generator(backend, tokenizer), GenerationOptions(max_tokens=3))
+    assert (finished.content, finished.reason) == ("abc", "length")
+    assert backend.log.count("step") == 2
 
 
 def test_a_stop_string_after_a_queued_step_still_ends_the_reply(tiny):

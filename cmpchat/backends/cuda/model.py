@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from cmpchat.backends.base import Backend
+from cmpchat.backends.base import Backend, Choice
 from cmpchat.backends.cuda.device import gpu_info, usable_bytes
 from cmpchat.backends.cuda.memory_plan import MemoryPlan, plan_memory, weight_bytes
 from cmpchat.backends.cuda.prompt_step import (
@@ -29,7 +29,7 @@ from cmpchat.backends.cuda.prompt_step import (
     prompt_launches,
     prompt_step_supported,
 )
-from cmpchat.backends.cuda.sampler import GpuSampler
+from cmpchat.backends.cuda.sampler import GpuChoice, GpuSampler
 from cmpchat.backends.cuda.step import (
     MAX_ROWS,
     AttentionSplits,
@@ -106,7 +106,9 @@ class CudaBackend(Backend):
         self._free_slots = list(range(self.plan.sequences))[::-1]
         # (bucket, rows are one prompt's tokens) -> the step (its launches hold their attention scratch)
         self._steps: dict[tuple[int, bool], StepLaunches] = {}
-        self._sampler = GpuSampler(self.stream, use_graphs, self.buffers.logits)
+        self._sampler = GpuSampler(self.stream, use_graphs, self.buffers.logits, self.buffers.tokens)
+        self._fed: GpuChoice | None = None
+        """The choice whose ids the step's token input holds (no step has uploaded tokens since)."""
         # Long prompts: one step of PROMPT_ROWS tokens, captured per slot (None: the model cannot take it).
         self.prompt_buffers: PromptBuffers | None = None
         if prompt_step_supported(self.config, self.weights) is None:
@@ -237,6 +239,16 @@ class CudaBackend(Backend):
             raise ValueError("a sequence appears twice in one decode step")
         return self._step(sequences, tokens, [None] * len(sequences))
 
+    def decode_chosen(self, sequences: Sequence[CudaSequence], choice: Choice) -> CudaLogits:
+        """The step reads the chosen ids where the selection wrote them, in the step's token input, so it is
+        queued without waiting for them (when a full batch bucket of rows was chosen there last)."""
+        rows = len(sequences)
+        if choice is not self._fed or rows != choice.rows or rows != token_bucket(rows):
+            return self.decode(sequences, choice.ids())
+        if len({s.slot for s in sequences}) != rows:
+            raise ValueError("a sequence appears twice in one decode step")
+        return self._step(sequences, None, [None] * rows)
+
     def to_host(self, logits: Any) -> np.ndarray:
         if not isinstance(logits, CudaLogits):
             return np.asarray(logits)
@@ -251,22 +263,33 @@ class CudaBackend(Backend):
         histories: Sequence[Sequence[int]],
         rngs: Sequence[np.random.Generator],
     ) -> list[int]:
+        return self.choose(logits, params, histories, rngs).ids()
+
+    def choose(
+        self,
+        logits: Any,
+        params: Sequence[SamplingParams],
+        histories: Sequence[Sequence[int]],
+        rngs: Sequence[np.random.Generator],
+    ) -> Choice:
         """Select on the GPU: only the B chosen ids cross PCIe (a CMP's Gen1 x1 link moves ~250 MB/s)."""
         if not isinstance(logits, CudaLogits):
-            return super().sample(logits, params, histories, rngs)
+            return super().choose(logits, params, histories, rngs)
         if len(params) != logits.rows:
             raise ValueError(f"{len(params)} sampling settings for {logits.rows} rows of logits")
-        return self._sampler.select(logits.device, params, histories, rngs)
+        self._fed = self._sampler.select(logits.device, params, histories, rngs)
+        return self._fed
 
     def _step(
         self,
         sequences: Sequence[CudaSequence],
-        tokens: Sequence[int],
+        tokens: Sequence[int] | None,
         positions: Sequence[np.ndarray | None],
         *,
         prompt: bool = False,
     ) -> CudaLogits:
-        """One step: a token for each row's sequence, or (`prompt`) consecutive tokens of one sequence."""
+        """One step: a token for each row's sequence, or (`prompt`) consecutive tokens of one sequence. None for
+        `tokens`: the last selection's ids, already in the step's token input."""
         rows = len(sequences)
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"a step takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -274,7 +297,9 @@ class CudaBackend(Backend):
         row_tokens, row_positions, row_slots = [], [], []
         lengths = {id(s): s.length for s in sequences}
         next_positions = {id(s): s.next_position for s in sequences}
-        for sequence, token, position in zip(sequences, tokens, positions, strict=True):
+        for sequence, token, position in zip(
+            sequences, [0] * rows if tokens is None else tokens, positions, strict=True
+        ):
             if sequence.slot < 0:
                 raise ValueError("the sequence was released")
             length = lengths[id(sequence)]
@@ -298,7 +323,9 @@ class CudaBackend(Backend):
         host_positions[:rows] = row_positions
         host_pages[:rows, 0] = row_slots
         host_slots[:rows] = row_slots
-        b.upload(self.stream)
+        b.upload(self.stream, tokens_on_device=tokens is None)
+        if tokens is not None:
+            self._fed = None
         self._run(bucket, prompt)
         for sequence in sequences:
             sequence.length = lengths[id(sequence)]

@@ -8,9 +8,12 @@ reproducible; draws are exact in distribution but not the numbers numpy would dr
 
 A step's inputs lie in one device allocation (params | rng | window_count | window, typed views at 64-byte
 offsets) with a pinned host mirror, and one asynchronous copy sends the part the chosen graph reads: the
-parameters always, the Philox keys for sampled selection, the window only when a row has penalties (the
-kernels only append to it otherwise). The ids come back through a pinned array: per step one copy up, the
-graph, one copy down and a stream synchronisation.
+parameters when they changed, the Philox keys for sampled selection, the window only when a row has
+penalties (the kernels only append to it otherwise). The ids come back through a pinned array: per step at
+most one copy up, the graph, one copy down and an event, each a driver call that lets go of the GIL (which
+a busy UI thread may then hold for a switch interval). The ids are written into the decode step's token
+input too (`token_rows`), so the next step can consume them before they reach the host (`GpuChoice`,
+`CudaBackend.decode_chosen`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from cmpchat.backends.base import Choice
+from cmpchat.backends.cuda.step import ordering_event
 from cmpchat.cuda.driver_api import check, stream_handle
 from cmpchat.cuda.graph import StepLaunches
 from cmpchat.cuda.intrinsics import SIMULATOR
@@ -81,38 +86,67 @@ class _PackedInputs:
 @dataclass
 class _Selection:
     inputs: _PackedInputs
-    tokens: Any  # int32 [B] on the device, written by the kernels
+    tokens: Any  # int32 [B] on the device, written by the kernels: the first B rows of the step's token input
     chosen: np.ndarray  # int32 [B] pinned: the tokens' host copy
+    arrived: Any  # a CUDA event recorded after the copy into `chosen`
     greedy: StepLaunches
     sampled: StepLaunches
     packed_params: tuple[SamplingParams, ...] | None = None
     """The settings last packed into the staged parameters (settings rarely change between steps)."""
+    latest: GpuChoice | None = None
+    """The choice whose ids `chosen` holds (or will, once `arrived`)."""
+    unread: bool = False
+    """The latest choice's ids are not yet known to have arrived."""
 
     @property
     def width(self) -> int:
         return int(self.inputs.views["window"].shape[1])
 
-    def fetch(self, stream: Any) -> list[int]:
-        """The chosen ids, once the stream has run everything queued so far."""
+    def queue_fetch(self, stream: Any) -> None:
+        """Queue the copy of the chosen ids to `chosen`, and the event that says it has run."""
         if SIMULATOR:
             self.tokens.copy_to_host(self.chosen, stream=stream)
         else:
             host, device = self.chosen.ctypes.data, self.tokens.device_ctypes_pointer.value
             result = driver.cuMemcpyDtoHAsync(host, device, self.chosen.nbytes, stream_handle(stream))
             check("cuMemcpyDtoHAsync", result)
-        stream.synchronize()
-        return self.chosen.tolist()
+        self.arrived.record(stream)
+
+
+class GpuChoice(Choice):
+    """Ids being chosen on the GPU: they lie in the step's token input until the next step's upload, and reach
+    the host when `ids()` has waited for them. Read them before the next selection of as many rows."""
+
+    def __init__(self, selection: _Selection) -> None:
+        self._selection = selection
+        self._ids: list[int] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self._selection.chosen)
+
+    def ids(self) -> list[int]:
+        if self._ids is None:
+            selection = self._selection
+            if selection.latest is not self:
+                raise RuntimeError("a later selection of as many rows overwrote these ids before they were read")
+            selection.arrived.synchronize()
+            selection.unread = False
+            self._ids = selection.chosen.tolist()
+        return self._ids
 
 
 class GpuSampler:
     """Selects from `logits_rows[:B]` for B rows, a device buffer [rows, V]: the graphs are captured with its
     address. Give it the backend's step buffer, so a decode step's logits are read where they lie; logits
-    from anywhere else (a prompt chunk's last row, the long-prompt step's own buffer) are copied there first."""
+    from anywhere else (a prompt chunk's last row, the long-prompt step's own buffer) are copied there first.
+    The chosen ids are written to `token_rows[:B]`, the step's token input (int32 [rows])."""
 
-    def __init__(self, stream: Any, use_graphs: bool, logits_rows: Any) -> None:
+    def __init__(self, stream: Any, use_graphs: bool, logits_rows: Any, token_rows: Any) -> None:
         self.stream = stream
         self.use_graphs = use_graphs
         self.logits_rows = logits_rows
+        self.token_rows = token_rows
         self._by_batch: dict[int, _Selection] = {}
 
     def select(
@@ -121,8 +155,9 @@ class GpuSampler:
         params: Sequence[SamplingParams],
         histories: Sequence[Sequence[int]],
         rngs: Sequence[np.random.Generator],
-    ) -> list[int]:
-        """Token ids for each row of `logits` (a device [B, V] array). The penalties edit the rows they read."""
+    ) -> GpuChoice:
+        """Queue the choice of a token for each row of `logits` (a device [B, V] array); returns at once. The
+        penalties edit the rows they read."""
         batch = len(params)
         width = max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
         rows = self.logits_rows[:batch]
@@ -134,13 +169,17 @@ class GpuSampler:
         greedy = all(p.is_greedy for p in params)
         inputs = selection.inputs
         staged = inputs.staged
-        # The previous select synchronised the stream after its copy, so the mirror is free to refill.
+        # The mirror is free to refill: the previous selection's ids were read (`GpuChoice.ids` waited for the
+        # event after its copy down, which follows its upload), or a wait below makes sure.
+        if selection.unread:
+            selection.arrived.synchronize()
+        last = None
         settings = tuple(params)
         if settings != selection.packed_params:
             staged["params"][:] = pack_params(params, width)
             selection.packed_params = settings
-        last = "params"  # greedy_launches read no Philox key
-        if not greedy:
+            last = "params"
+        if not greedy:  # greedy_launches read no Philox key
             staged["rng"][:] = rng_state(seeds)
             last = "rng"
         if any(p.has_penalties for p in params):  # else no kernel reads the window, apply_penalties returns
@@ -149,9 +188,13 @@ class GpuSampler:
             staged["window_count"][:] = count
             last = "window"
         stream = self.stream
-        inputs.upload(inputs.end[last], stream)
+        if last is not None:  # the device keeps the parameters of the last upload
+            inputs.upload(inputs.end[last], stream)
         (selection.greedy if greedy else selection.sampled).run(stream)
-        return selection.fetch(stream)
+        selection.queue_fetch(stream)
+        selection.unread = True
+        selection.latest = GpuChoice(selection)
+        return selection.latest
 
     def _selection(self, logits: Any, batch: int, width: int) -> _Selection:
         selection = self._by_batch.get(batch)
@@ -169,13 +212,14 @@ class GpuSampler:
             ]
         )
         params, rng, window_count, window = (inputs.views[name] for name in ("params", "rng", "window_count", "window"))
-        tokens = cuda.device_array(batch, np.int32)
+        tokens = self.token_rows[:batch]
         greedy = greedy_launches(logits, params, window, window_count, tokens, workspace)
         sampled = sampling_launches(logits, params, rng, window, window_count, tokens, workspace)
         selection = _Selection(
             inputs,
             tokens,
             cuda.pinned_array(batch, np.int32),
+            ordering_event(),
             StepLaunches(greedy, self.stream, self.use_graphs),
             StepLaunches(sampled, self.stream, self.use_graphs),
         )

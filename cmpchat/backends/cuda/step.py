@@ -86,6 +86,12 @@ class SequenceStates:
                 array[target].copy_to_device(array[source])
 
 
+def ordering_event() -> Any:
+    """A CUDA event for waiting on (no timing, so recording it costs the least; the simulator's takes no
+    options)."""
+    return cuda.event() if SIMULATOR else cuda.event(timing=False)
+
+
 @dataclass
 class StepBuffers:
     """Device buffers of one decode step, sized for 16 rows; a step for B rows uses the first B.
@@ -150,15 +156,20 @@ class StepBuffers:
         np.copyto(self.staging[turn], self.idle)
         return self._views[turn]
 
-    def upload(self, stream: Any) -> None:
-        """Queue the copy of the staged inputs to the device on `stream` (returns at once)."""
+    def upload(self, stream: Any, *, tokens_on_device: bool = False) -> None:
+        """Queue the copy of the staged inputs to the device on `stream` (returns at once). With
+        `tokens_on_device` the tokens are left as they are there (written by the GPU's token selection)."""
         turn = self._turn
         host = self.staging[turn]
+        skip = MAX_ROWS if tokens_on_device else 0  # `tokens` lies first
         if SIMULATOR:
-            self.inputs.copy_to_device(host, stream=stream)
+            self.inputs[skip:].copy_to_device(host[skip:], stream=stream)
         else:
             device, *mirrors = self._pointers
-            result = driver.cuMemcpyHtoDAsync(device, mirrors[turn], host.nbytes, stream_handle(stream))
+            offset = skip * host.itemsize
+            result = driver.cuMemcpyHtoDAsync(
+                device + offset, mirrors[turn] + offset, host.nbytes - offset, stream_handle(stream)
+            )
             check("cuMemcpyHtoDAsync", result)
         self.uploaded[turn].record(stream)
         self._turn = (turn + 1) % len(self.uploaded)
@@ -196,7 +207,7 @@ class StepBuffers:
             inputs=inputs,
             staging=staging,
             # The simulator runs everything synchronously; its events take no timing flag and do nothing.
-            uploaded=[cuda.event() if SIMULATOR else cuda.event(timing=False) for _ in staging],
+            uploaded=[ordering_event() for _ in staging],
             idle=idle,
             _views=[cls.input_views(mirror) for mirror in staging],
             _pointers=pointers,
