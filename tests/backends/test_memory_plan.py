@@ -72,16 +72,20 @@ def test_more_sequences_share_the_kv_budget():
 @pytest.mark.parametrize("sm_count", [68, 132])
 def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_count):
     """The plan reserves what `PromptBuffers.allocate` takes (simulator arrays are numpy, so their sizes are
-    counted on the CPU), and it stays small beside the weights."""
-    from dataclasses import fields
+    counted on the CPU), and it stays small beside the weights (the 0.8B's 43 MB on 132 SMs: 5.4%)."""
+    from dataclasses import fields, is_dataclass
 
     from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS, PromptBuffers
 
     config, weights, largest = config_of(shape_name)
     reserved = PromptBuffers.reserved_bytes(config, sm_count, PROMPT_ROWS)
     buffers = PromptBuffers.allocate(config, sm_count, PROMPT_ROWS)
-    allocated = sum(getattr(buffers, f.name).nbytes for f in fields(buffers) if f.name not in NOT_ALLOCATED)
-    assert allocated == reserved < 0.05 * weights
+    def nbytes(value) -> int:  # an array, or the chunked Gated DeltaNet's workspace of arrays
+        return sum(nbytes(getattr(value, f.name)) for f in fields(value)) if is_dataclass(value) else value.nbytes
+
+    allocated = sum(nbytes(getattr(buffers, f.name)) for f in fields(buffers) if f.name not in NOT_ALLOCATED)
+    assert buffers.gdn_workspace is not None
+    assert allocated == reserved < 0.06 * weights
     plain = plan_memory(config, weights=weights, largest_tensor=largest, budget=2 * weights, context=8192)
     with_prompts = plan_memory(config, weights=weights, largest_tensor=largest, budget=2 * weights, context=8192,
                                prompt_scratch=reserved)  # fmt: skip

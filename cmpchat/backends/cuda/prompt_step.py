@@ -9,7 +9,7 @@ CMP rather than bandwidth-bound. Layer by layer, as `step.decode_launches`:
                 attention:  q, K/V cache = qk_norm_rope(p);  a = attention(q, cache) * sigmoid(gate)
                             (FlashAttention-style, `attention_prefill`: each row attends to the cache up to
                             itself, the step wrote the rows' K/V first; a tile of rows shares each K/V read)
-                GDN:        a = the token loop of `gated_deltanet_chunked` over the rows, state in place
+                GDN:        a = `gated_deltanet_chunked` over the rows in chunks of 64, state in place
                 x += W_out quantize(a)
                 x += W_down quantize(swiglu(W_gate|up rms_norm_quantize(x)))
     logits = W_lm rms_norm_quantize(x[last row])                          [1, vocab]
@@ -37,7 +37,12 @@ from cmpchat.cuda.kernels.attention_prefill import (
 )
 from cmpchat.cuda.kernels.elementwise import embed_q8_0
 from cmpchat.cuda.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
-from cmpchat.cuda.kernels.gated_deltanet_chunked import DEFAULT_CHUNK, check_prefill_shape, prefill_launches
+from cmpchat.cuda.kernels.gated_deltanet_chunked import (
+    DEFAULT_CHUNK,
+    ChunkWorkspace,
+    check_prefill_shape,
+    prefill_launches,
+)
 from cmpchat.cuda.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
 from cmpchat.cuda.launch import Launch
 from cmpchat.model.config import ModelConfig
@@ -68,6 +73,12 @@ def prompt_step_supported(config: ModelConfig, weights: ModelWeights) -> str | N
     return None
 
 
+GDN_WORKSPACE = ("w", "qk", "states", "decay")
+"""The `ChunkWorkspace` fields, in order (the step allocates them with its other buffers)."""
+GDN_CHUNKED = True
+"""The step's Gated DeltaNet runs in chunks (prepare, state pass, output) rather than token by token."""
+
+
 @dataclass
 class PromptBuffers:
     """Device buffers of one long-prompt step (PROMPT_ROWS rows)."""
@@ -92,6 +103,7 @@ class PromptBuffers:
     logits: Any  # fp32 [1, V]: the last row's
     inv_freq: Any
     freq_axis: Any
+    gdn_workspace: ChunkWorkspace | None  # the chunked Gated DeltaNet's, shared by the layers (None: no GDN)
 
     @staticmethod
     def attention_config(config: ModelConfig, rows: int, sm_count: int) -> PrefillAttentionConfig:
@@ -126,7 +138,14 @@ class PromptBuffers:
             "partial_acc": (acc_shape, f32),
             "partial_ml": (ml_shape, f32),
             "logits": ((1, config.vocab_size), f32),
-        }
+        } | cls._gdn_layout(config, rows)
+
+    @staticmethod
+    def _gdn_layout(config: ModelConfig, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        if not config.recurrent_layers:
+            return {}
+        shapes = ChunkWorkspace.shapes(GatedDeltaNetShape.from_config(config), rows, DEFAULT_CHUNK)
+        return {f"gdn_{name}": (dims, np.float32) for name, dims in zip(GDN_WORKSPACE, shapes, strict=True)}
 
     @classmethod
     def reserved_bytes(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> int:
@@ -140,6 +159,7 @@ class PromptBuffers:
     @classmethod
     def allocate(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> PromptBuffers:
         arrays = {name: zeros(shape, dtype) for name, (shape, dtype) in cls.layout(config, sm_count, rows).items()}
+        gdn = [arrays.pop(f"gdn_{name}") for name in GDN_WORKSPACE if f"gdn_{name}" in arrays]
         inputs = arrays["inputs"]
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
         return cls(
@@ -150,6 +170,7 @@ class PromptBuffers:
             attention=cls.attention_config(config, rows, sm_count),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
+            gdn_workspace=ChunkWorkspace(*gdn) if gdn else None,
         )
 
     @property
@@ -204,7 +225,8 @@ def prompt_launches(
             attended = columns(b.mixed, rows, gdn_shape.output_width)
             gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
             launches += prefill_launches(gdn_shape, gdn_weights, projection, states.conv_state[index],
-                                         states.delta_state[index], slot, attended, chunked=False, mixed=b.conv_out)  # fmt: skip
+                                         states.delta_state[index], slot, attended, chunked=GDN_CHUNKED,
+                                         mixed=b.conv_out, workspace=b.gdn_workspace)  # fmt: skip
         launches += inputs.project_into(mixer.output, attended, hidden)
         activated = columns(b.mixed, rows, config.ffn_size)
         launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")
