@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from cmpchat.backends.base import Backend
 from cmpchat.chat.messages import Tool
+from cmpchat.errors import CmpchatError
 from cmpchat.generation.events import DecodeProgress, GenerationEvent, PromptProgress, Timings
 from cmpchat.generation.reply import GenerationOptions, Reply
 from cmpchat.tokenizer import Tokenizer
@@ -70,8 +71,12 @@ class Generator:
                 # handles the events). It is wasted when the token ends the reply; the sequence is released then.
                 cancelled = cancel is not None and cancel.is_set()
                 queued = backend.decode_is_queued and not cancelled and not reply.next_is_last
+                refused: CmpchatError | None = None
                 if queued:
-                    logits = backend.decode_chosen([sequence], choice)
+                    try:
+                        logits = backend.decode_chosen([sequence], choice)
+                    except CmpchatError as error:  # e.g. the GPU's context is full: raised after this token's text
+                        refused = error
                 token = choice.ids()[0]
                 # Decode time runs from the first token to the latest, as a reader sees them: a GPU backend's
                 # steps are only queued, and the wait for them ends in ids().
@@ -90,6 +95,8 @@ class Generator:
                 if cancel is not None and cancel.is_set():
                     reply.cancel()
                     break
+                if refused is not None:
+                    raise refused
                 if not queued:
                     logits = backend.decode([sequence], [token])
             timings = Timings(

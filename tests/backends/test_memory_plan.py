@@ -80,6 +80,7 @@ def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_
     config, weights, largest = config_of(shape_name)
     reserved = PromptBuffers.reserved_bytes(config, sm_count, PROMPT_ROWS)
     buffers = PromptBuffers.allocate(config, sm_count, PROMPT_ROWS)
+
     def nbytes(value) -> int:  # an array, or the chunked Gated DeltaNet's workspace of arrays
         return sum(nbytes(getattr(value, f.name)) for f in fields(value)) if is_dataclass(value) else value.nbytes
 

@@ -167,6 +167,25 @@ def test_a_queued_step_runs_while_the_token_text_is_handled(tiny, queued):
         assert backend.log.count("step") == len(script) - 1  # the end token needs no step
 
 
+def test_a_refused_queued_step_fails_the_reply_after_the_tokens_text(tiny):
+    # A backend refuses a step when its own context is full; the token chosen before still reaches the reader.
+    config, tokenizer = tiny
+    backend = QueuingBackend(config, tokenizer.encode("abcdefgh"))
+    decode = backend.decode
+
+    def refuse_the_third(sequences, tokens):
+        if backend.log.count("step") == 2:
+            raise CmpchatError("the conversation reached the 5-token context this GPU holds; start a new one")
+        return decode(sequences, tokens)
+
+    backend.decode = refuse_the_third
+    text = ""
+    with pytest.raises(CmpchatError, match="context"):
+        for event in Generator(backend, tokenizer).generate([1, 2, 3]):
+            text += event.text if isinstance(event, ContentDelta) else ""
+    assert text == "abc"
+
+
 def test_no_step_is_queued_past_the_token_budget(tiny):
     config, tokenizer = tiny
     backend = QueuingBackend(config, tokenizer.encode("abcdefgh"))
