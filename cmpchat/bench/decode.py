@@ -175,8 +175,12 @@ def _time_steps(backend: CudaBackend, sequences: list[CudaSequence], tokens: int
     logits = backend.decode(sequences, [1] * count)
 
     def step(logits: object) -> object:
-        chosen = backend.sample(logits, greedy, histories, rngs)  # on the GPU; B ids come back
-        return backend.decode(sequences, chosen)
+        # As the generator: the next step reads the ids where the GPU chose them, and they come back (B ids)
+        # while it runs.
+        choice = backend.choose(logits, greedy, histories, rngs)
+        logits = backend.decode_chosen(sequences, choice)
+        choice.ids()
+        return logits
 
     for _ in range(WARMUP_STEPS):
         logits = step(logits)
