@@ -240,12 +240,7 @@ if SIMULATOR:
         array[index + 2] = c
         array[index + 3] = d
 
-    @cuda.jit(device=True)
-    def store_f32x4(array, index, a, b, c, d):
-        array[index] = a
-        array[index + 1] = b
-        array[index + 2] = c
-        array[index + 3] = d
+    store_f32x4 = store_shared_f32x4  # one memory for the simulator
 
 else:
     from llvmlite import ir

@@ -235,9 +235,7 @@ class CudaBackend(Backend):
     def decode(self, sequences: Sequence[CudaSequence], tokens: Sequence[int]) -> CudaLogits:
         if len(sequences) != len(tokens):
             raise ValueError("one token per sequence")
-        if len({s.slot for s in sequences}) != len(sequences):
-            raise ValueError("a sequence appears twice in one decode step")
-        return self._step(sequences, tokens, [None] * len(sequences))
+        return self._decode(sequences, tokens)
 
     def decode_chosen(self, sequences: Sequence[CudaSequence], choice: Choice) -> CudaLogits:
         """The step reads the chosen ids where the selection wrote them, in the step's token input, so it is
@@ -245,9 +243,12 @@ class CudaBackend(Backend):
         rows = len(sequences)
         if choice is not self._fed or rows != choice.rows or rows != token_bucket(rows):
             return self.decode(sequences, choice.ids())
-        if len({s.slot for s in sequences}) != rows:
+        return self._decode(sequences, None)
+
+    def _decode(self, sequences: Sequence[CudaSequence], tokens: Sequence[int] | None) -> CudaLogits:
+        if len({s.slot for s in sequences}) != len(sequences):
             raise ValueError("a sequence appears twice in one decode step")
-        return self._step(sequences, None, [None] * rows)
+        return self._step(sequences, tokens, [None] * len(sequences))
 
     def to_host(self, logits: Any) -> np.ndarray:
         if not isinstance(logits, CudaLogits):

@@ -73,12 +73,6 @@ def prompt_step_supported(config: ModelConfig, weights: ModelWeights) -> str | N
     return None
 
 
-GDN_WORKSPACE = ("w", "qk", "states", "decay")
-"""The `ChunkWorkspace` fields, in order (the step allocates them with its other buffers)."""
-GDN_CHUNKED = True
-"""The step's Gated DeltaNet runs in chunks (prepare, state pass, output) rather than token by token."""
-
-
 @dataclass
 class PromptBuffers:
     """Device buffers of one long-prompt step (PROMPT_ROWS rows)."""
@@ -138,14 +132,7 @@ class PromptBuffers:
             "partial_acc": (acc_shape, f32),
             "partial_ml": (ml_shape, f32),
             "logits": ((1, config.vocab_size), f32),
-        } | cls._gdn_layout(config, rows)
-
-    @staticmethod
-    def _gdn_layout(config: ModelConfig, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-        if not config.recurrent_layers:
-            return {}
-        shapes = ChunkWorkspace.shapes(GatedDeltaNetShape.from_config(config), rows, DEFAULT_CHUNK)
-        return {f"gdn_{name}": (dims, np.float32) for name, dims in zip(GDN_WORKSPACE, shapes, strict=True)}
+        }
 
     @classmethod
     def reserved_bytes(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> int:
@@ -154,12 +141,14 @@ class PromptBuffers:
         arrays = sum(
             math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in cls.layout(config, sm_count, rows).values()
         )
-        return arrays + rope.inv_freq.nbytes + rope.freq_axis.nbytes
+        workspace = (
+            ChunkWorkspace.nbytes(GatedDeltaNetShape.from_config(config), rows) if config.recurrent_layers else 0
+        )
+        return arrays + rope.inv_freq.nbytes + rope.freq_axis.nbytes + workspace
 
     @classmethod
     def allocate(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> PromptBuffers:
         arrays = {name: zeros(shape, dtype) for name, (shape, dtype) in cls.layout(config, sm_count, rows).items()}
-        gdn = [arrays.pop(f"gdn_{name}") for name in GDN_WORKSPACE if f"gdn_{name}" in arrays]
         inputs = arrays["inputs"]
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
         return cls(
@@ -170,7 +159,11 @@ class PromptBuffers:
             attention=cls.attention_config(config, rows, sm_count),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
-            gdn_workspace=ChunkWorkspace(*gdn) if gdn else None,
+            gdn_workspace=(
+                ChunkWorkspace.allocate(GatedDeltaNetShape.from_config(config), rows)
+                if config.recurrent_layers
+                else None
+            ),
         )
 
     @property
@@ -225,8 +218,8 @@ def prompt_launches(
             attended = columns(b.mixed, rows, gdn_shape.output_width)
             gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
             launches += prefill_launches(gdn_shape, gdn_weights, projection, states.conv_state[index],
-                                         states.delta_state[index], slot, attended, chunked=GDN_CHUNKED,
-                                         mixed=b.conv_out, workspace=b.gdn_workspace)  # fmt: skip
+                                         states.delta_state[index], slot, attended, mixed=b.conv_out,
+                                         workspace=b.gdn_workspace)  # fmt: skip
         launches += inputs.project_into(mixer.output, attended, hidden)
         activated = columns(b.mixed, rows, config.ffn_size)
         launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")

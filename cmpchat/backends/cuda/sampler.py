@@ -95,8 +95,6 @@ class _Selection:
     """The settings last packed into the staged parameters (settings rarely change between steps)."""
     latest: GpuChoice | None = None
     """The choice whose ids `chosen` holds (or will, once `arrived`)."""
-    unread: bool = False
-    """The latest choice's ids are not yet known to have arrived."""
 
     @property
     def width(self) -> int:
@@ -125,13 +123,17 @@ class GpuChoice(Choice):
     def rows(self) -> int:
         return len(self._selection.chosen)
 
+    @property
+    def read(self) -> bool:
+        """Whether `ids()` has waited for the ids (so the selection's copies have run)."""
+        return self._ids is not None
+
     def ids(self) -> list[int]:
         if self._ids is None:
             selection = self._selection
             if selection.latest is not self:
                 raise RuntimeError("a later selection of as many rows overwrote these ids before they were read")
             selection.arrived.synchronize()
-            selection.unread = False
             self._ids = selection.chosen.tolist()
         return self._ids
 
@@ -171,7 +173,7 @@ class GpuSampler:
         staged = inputs.staged
         # The mirror is free to refill: the previous selection's ids were read (`GpuChoice.ids` waited for the
         # event after its copy down, which follows its upload), or a wait below makes sure.
-        if selection.unread:
+        if selection.latest is not None and not selection.latest.read:
             selection.arrived.synchronize()
         last = None
         settings = tuple(params)
@@ -192,7 +194,6 @@ class GpuSampler:
             inputs.upload(inputs.end[last], stream)
         (selection.greedy if greedy else selection.sampled).run(stream)
         selection.queue_fetch(stream)
-        selection.unread = True
         selection.latest = GpuChoice(selection)
         return selection.latest
 
