@@ -16,8 +16,10 @@ only launch 3 is sequential over the chunks, and it does only the two products t
    sums of squares by 8 threads, then 1). The first tile's blocks then write the new conv state.
 2. `gdn_chunk_prepare`, grid (chunks, Hv), (C/4)^2 threads (256 for C = 64), fully parallel: gates and the
    compensated cumulative log decays -> workspace.decay; K K^T and Q K^T in 4x4 register tiles over 32 key
-   dims staged at a time (12 LDS.128 per 128 FMAs); A; T = (I + A)^-1 one column per thread by forward
-   substitution (no barriers: each column is independent); W = T diag(beta e^gamma) K -> workspace.w and
+   dims staged at a time (12 LDS.128 per 128 FMAs); A; T = (I + A)^-1 by blocked forward substitution, a 4x4
+   block of T per thread in registers, C/4 steps of one barrier each (a block row of T finished and published,
+   then subtracted from the later rows by all their threads at once; one thread per column solving it alone
+   left 6 of 8 warps waiting at the next barrier for half the kernel); W = T diag(beta e^gamma) K -> workspace.w and
    U = T diag(beta) V -> `out`, C columns of [K | V] staged at a time (8 LDS.128 per 64 FMAs, stopping at T's
    diagonal); masked decayed Q K^T -> workspace.qk.
 3. `gdn_chunk_state`, grid (Hv, dv/16) (256 blocks for 9B), max(2C, dk) = 128 threads: the state slice
@@ -98,7 +100,6 @@ _ALIGN = None if SIMULATOR else 16  # 16-byte shared arrays for the vector loads
 _ROW_STRIDE = MAX_HEAD_DIM + 1  # per-token rows of squares
 _GRAM_STRIDE = GRAM_COLUMNS + 4  # padded rows, multiples of 4 (16-byte rows) and 4 banks apart
 _WIDE_STRIDE = MAX_CHUNK + 4
-_A_STRIDE = MAX_CHUNK + 1
 _TILE_STRIDE_MAX = MAX_KEY_DIM + 4
 _ZERO = float32(0.0)
 _ONE = float32(1.0)
@@ -362,7 +363,7 @@ def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_
                         qk_acc[a * TILE_ENTRIES + b] += row_q[4 * a + d] * col_k[4 * b + d]
     cuda.syncthreads()  # the Gram stage is consumed: A takes its place
 
-    # 3. A_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (j < i, else 0) into stage [C][C+1]; the masked, decayed
+    # 3. A_ij = beta_i e^(gamma_i - gamma_j) k_i.k_j (j < i, else 0) into stage [C][C+4]; the masked, decayed
     #    Q K^T out to the workspace (zero above the diagonal and past the chunk's end).
     for a in range(TILE_ENTRIES):
         i = ti + side * a
@@ -375,28 +376,46 @@ def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_
             a_ij = _ZERO
             if j < i:
                 a_ij = beta_shared[i] * factor * kk[a * TILE_ENTRIES + b]
-            stage[i * _A_STRIDE + j] = a_ij
-    cuda.syncthreads()
+            stage[i * _WIDE_STRIDE + j] = a_ij
 
-    # 4. T = (I + A)^-1 one column per thread, no barriers: column c solves (I + A) x = e_c by forward
-    #    substitution, x_i = -sum_{c <= m < i} A_im x_m, reading A's rows (broadcast) and its own column of T.
-    for c in range(thread, chunk, threads):
-        for i in range(chunk):
-            value = _ZERO
-            if i == c and c < length:
-                value = _ONE
-            tmat[i * _WIDE_STRIDE + c] = value
-        for i in range(c + 1, length):
-            even = _ZERO
-            odd = _ZERO
-            m = c
-            while m + 1 < i:
-                even += stage[i * _A_STRIDE + m] * tmat[m * _WIDE_STRIDE + c]
-                odd += stage[i * _A_STRIDE + m + 1] * tmat[(m + 1) * _WIDE_STRIDE + c]
-                m += 2
-            if m < i:
-                even += stage[i * _A_STRIDE + m] * tmat[m * _WIDE_STRIDE + c]
-            tmat[i * _WIDE_STRIDE + c] = -(even + odd)
+    # 4. T = (I + A)^-1 by blocked forward substitution: thread (ti, tj) holds T's 4x4 block at rows 4ti..4ti+3,
+    #    columns 4tj..4tj+3 in registers. In step k the threads of block row k, every earlier block row already
+    #    subtracted, finish their diagonal block and publish their rows to tmat; after the step's one barrier
+    #    each later block row subtracts A[its rows, 4k..4k+3] T[4k..4k+3, its columns] (4 + 4 LDS.128, 64 FMAs).
+    #    A is strictly lower triangular, so rows and columns past the chunk's length stay zero.
+    block = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    a_block = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    t_block = cuda.local.array(_TILE_ENTRIES_2D, float32)
+    for r in range(TILE_ENTRIES):
+        for c in range(TILE_ENTRIES):
+            i = TILE_ENTRIES * ti + r
+            block[TILE_ENTRIES * r + c] = _ONE if i == TILE_ENTRIES * tj + c and i < length else _ZERO
+    cuda.syncthreads()  # A complete
+    for k in range(side):
+        if ti == k:
+            for r in range(1, TILE_ENTRIES):
+                for s in range(r):
+                    a_rs = stage[(TILE_ENTRIES * k + r) * _WIDE_STRIDE + TILE_ENTRIES * k + s]
+                    for c in range(TILE_ENTRIES):
+                        block[TILE_ENTRIES * r + c] -= a_rs * block[TILE_ENTRIES * s + c]
+            for r in range(TILE_ENTRIES):
+                store_shared_f32x4(tmat, (TILE_ENTRIES * k + r) * _WIDE_STRIDE + TILE_ENTRIES * tj,
+                                   block[4 * r], block[4 * r + 1], block[4 * r + 2], block[4 * r + 3])  # fmt: skip
+        cuda.syncthreads()  # block row k of T published
+        if ti > k:
+            for r in range(TILE_ENTRIES):
+                index = (TILE_ENTRIES * ti + r) * _WIDE_STRIDE + TILE_ENTRIES * k
+                a_block[4 * r], a_block[4 * r + 1], a_block[4 * r + 2], a_block[4 * r + 3] = load_shared_f32x4(
+                    stage, index
+                )
+                index = (TILE_ENTRIES * k + r) * _WIDE_STRIDE + TILE_ENTRIES * tj
+                t_block[4 * r], t_block[4 * r + 1], t_block[4 * r + 2], t_block[4 * r + 3] = load_shared_f32x4(
+                    tmat, index
+                )
+            for r in range(TILE_ENTRIES):
+                for s in range(TILE_ENTRIES):
+                    for c in range(TILE_ENTRIES):
+                        block[TILE_ENTRIES * r + c] -= a_block[TILE_ENTRIES * r + s] * t_block[TILE_ENTRIES * s + c]
 
     # 5. W = T diag(beta e^gamma) K -> w, U = T diag(beta) V -> out, C columns of [K' | V'] staged at a time;
     #    thread rows ti + side*a, columns 4tj..4tj+3: per 4 rows of the stage 8 LDS.128 for 64 FMAs. T is lower
