@@ -40,8 +40,10 @@ at a time, one barrier per token (u = S'^T k, S'^T q and k.q reduced together; o
 Numba emits no vector shared-memory access, so the register tiles use the 16-byte `load_shared_f32x4`,
 `store_shared_f32x4` and `store_f32x4` of `cmpchat.cuda.intrinsics` (shared arrays declared 16-byte aligned). Static shared
 memory (sm_70 allows 48 KB): prepare 36 KB, state 45 KB, output 26 KB, sequential 24.1 KB, conv and norm
-16.6 KB; all for dk <= 128, C <= 64. ptxas for sm_70 (CUDA 12.9), registers per thread, no spills: conv 64,
-prepare 128, state 247, output 93, sequential 94, norm 60. No tensor-core instruction (DESIGN.md).
+16.6 KB; all for dk <= 128 (a power of two), C <= 64. ptxas for sm_70 (CUDA 12.9), registers per thread: conv 64,
+prepare 127, state 255 (8 bytes spilled; none on sm_90), output 98, sequential 94, norm 60. No tensor-core
+instruction (DESIGN.md). Staging loops split indices with shifts and masks, never a division by a runtime
+width (~20 instructions each: they were most of the state pass's instructions).
 """
 
 from __future__ import annotations
@@ -141,6 +143,16 @@ _SEQUENTIAL_SIGNATURE = (
     "float32[:, ::1], int32, int32)"
 )
 _NORM_SIGNATURE = "void(float32[:, ::1], float32[::1], float32[:, ::1], float32)"
+
+
+@cuda.jit(device=True, inline=True)
+def _log2(n):
+    """log2 of a power of two: staging loops split an index into row and quad with a shift and a mask, where a
+    division by a runtime width costs ~20 instructions (check_prefill_shape keeps dk and C powers of two)."""
+    result = 0
+    while (1 << result) < n:
+        result += 1
+    return result
 
 
 @cuda.jit(device=True, inline=True)
@@ -423,14 +435,14 @@ def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_
     acc = cuda.local.array(_TILE_ENTRIES_2D, float32)
     t_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
     s_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
-    width_quads = chunk // 4
+    quads_log2 = _log2(chunk // 4)
     m_end = min(length, ti + side * (TILE_ENTRIES - 1) + 1)
     m_end = (m_end + 3) // 4 * 4
     for base in range(0, k_dim + v_dim, chunk):
         cuda.syncthreads()  # T complete / A or the previous tile consumed
-        for e in range(thread, chunk * width_quads, threads):
-            m = e // width_quads
-            g = base + 4 * (e % width_quads)  # column of [K | V]
+        for e in range(thread, chunk << quads_log2, threads):
+            m = e >> quads_log2
+            g = base + 4 * (e & ((1 << quads_log2) - 1))  # column of [K | V]
             x0 = x1 = x2 = x3 = _ZERO
             if m < length:
                 row = (t0 + m) * conv_dim
@@ -446,7 +458,7 @@ def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_
                 x1 *= scale
                 x2 *= scale
                 x3 *= scale
-            store_shared_f32x4(stage, m * _WIDE_STRIDE + 4 * (e % width_quads), x0, x1, x2, x3)
+            store_shared_f32x4(stage, m * _WIDE_STRIDE + g - base, x0, x1, x2, x3)
         cuda.syncthreads()
         for e in range(_TILE_ENTRIES_2D):
             acc[e] = _ZERO
@@ -473,29 +485,36 @@ def gdn_chunk_prepare(projection, mixed, ssm_a, dt_bias, w, qk, decay, out, num_
 
 
 @cuda.jit(device=True, inline=True)
-def _fetch_tile(values, source, first, row_stride, rows, quads, thread, threads):
-    """values <- a [rows x 4*quads] tile at source[first + row*row_stride + ...] (zero past `rows`, up to the
-    chunk's length), 16 bytes per load, each warp reading whole rows."""
+def _fetch_tile(values, source, first, row_stride, rows, quads_log2, thread, threads):
+    """values <- a [rows x 4*2^quads_log2] tile at source[first + row*row_stride + ...] (zero past `rows`, up to the
+    chunk's length), 16 bytes per load, each warp reading whole rows. `threads` is a multiple of the row's quads,
+    so a thread keeps its quad and steps down the rows: one address increment per load."""
+    rows_per_pass = threads >> quads_log2
+    row = thread >> quads_log2
+    index = first + row * row_stride + 4 * (thread & ((1 << quads_log2) - 1))
     for n in range(PREFETCH):
-        f = thread + threads * n
-        row = f // quads
         x0 = x1 = x2 = x3 = _ZERO
         if row < rows:
-            x0, x1, x2, x3 = load_f32x4(source, first + row * row_stride + 4 * (f % quads))
+            x0, x1, x2, x3 = load_f32x4(source, index)
         values[4 * n] = x0
         values[4 * n + 1] = x1
         values[4 * n + 2] = x2
         values[4 * n + 3] = x3
+        row += rows_per_pass
+        index += rows_per_pass * row_stride
 
 
 @cuda.jit(device=True, inline=True)
-def _store_tile(values, tile, stride, quads, chunk, thread, threads):
+def _store_tile(values, tile, stride, quads_log2, chunk, thread, threads):
     """The fetched tile into shared memory (rows of stride dk + 4), all C rows (zeros past the tokens)."""
+    rows_per_pass = threads >> quads_log2
+    row = thread >> quads_log2
+    index = row * stride + 4 * (thread & ((1 << quads_log2) - 1))
     for n in range(PREFETCH):
-        f = thread + threads * n
-        if f < chunk * quads:
-            index = (f // quads) * stride + 4 * (f % quads)
+        if row < chunk:
             store_shared_f32x4(tile, index, values[4 * n], values[4 * n + 1], values[4 * n + 2], values[4 * n + 3])
+        row += rows_per_pass
+        index += rows_per_pass * stride
 
 
 @kernel(_STATE_SIGNATURE, launch_bounds=STATE_THREADS)
@@ -517,7 +536,7 @@ def gdn_chunk_state(mixed, w, decay, out, states, delta_state, slot, num_k_heads
     out_width = num_v_heads * v_dim
     k_column = (num_k_heads + head % num_k_heads) * k_dim
     chunks = (tokens + chunk - 1) // chunk
-    quads = k_dim // 4
+    quads_log2 = _log2(k_dim // 4)
     stride = k_dim + 4  # tile rows 4 banks apart: the 8 rows a warp reads hit distinct banks
     # Delta (phase 1, threads < 2C): rows rg + side*a, columns 4cq..4cq+3, key dims of half `half` (the
     # halves summed through d_shared).
@@ -552,9 +571,9 @@ def gdn_chunk_state(mixed, w, decay, out, states, delta_state, slot, num_k_heads
                                state[4 * a + 2], state[4 * a + 3])  # fmt: skip
             index = (head * k_dim + r) * v_dim + col0 + 4 * cq  # states[0, head, r, ...]
             store_f32x4(states, index, state[4 * a], state[4 * a + 1], state[4 * a + 2], state[4 * a + 3])
-    _fetch_tile(fetched, w, head * tokens * k_dim, k_dim, min(chunk, tokens), quads, thread, threads)
-    _store_tile(fetched, tile, stride, quads, chunk, thread, threads)
-    _fetch_tile(fetched, mixed, k_column, conv_dim, min(chunk, tokens), quads, thread, threads)
+    _fetch_tile(fetched, w, head * tokens * k_dim, k_dim, min(chunk, tokens), quads_log2, thread, threads)
+    _store_tile(fetched, tile, stride, quads_log2, chunk, thread, threads)
+    _fetch_tile(fetched, mixed, k_column, conv_dim, min(chunk, tokens), quads_log2, thread, threads)
     cuda.syncthreads()
 
     for chunk_index in range(chunks):
@@ -579,10 +598,8 @@ def gdn_chunk_state(mixed, w, decay, out, states, delta_state, slot, num_k_heads
         for e in range(_TILE_ENTRIES_2D):
             acc[e] = _ZERO
         first = half * (k_dim // 2)
-        last = first + k_dim // 2
-        if half > 1:
-            last = first
-        for c in range(first, last, 4):
+        for step in range(k_dim // 8 if half <= 1 else 0):
+            c = first + 4 * step
             for a in range(TILE_ENTRIES):
                 r = (rg + side * a) * stride + c
                 w_rows[4 * a], w_rows[4 * a + 1], w_rows[4 * a + 2], w_rows[4 * a + 3] = load_shared_f32x4(tile, r)
@@ -611,10 +628,10 @@ def gdn_chunk_state(mixed, w, decay, out, states, delta_state, slot, num_k_heads
                     store_f32x4(out, (t0 + i) * out_width + head * v_dim + col0 + 4 * cq, d0, d1, d2, d3)
                 scale = decay_out[a]
                 store_shared_f32x4(d_shared, index, d0 * scale, d1 * scale, d2 * scale, d3 * scale)
-        _store_tile(fetched, tile, stride, quads, chunk, thread, threads)  # K of this chunk
+        _store_tile(fetched, tile, stride, quads_log2, chunk, thread, threads)  # K of this chunk
         if following:
             first = (head * tokens + t0 + chunk) * k_dim
-            _fetch_tile(fetched, w, first, k_dim, next_length, quads, thread, threads)
+            _fetch_tile(fetched, w, first, k_dim, next_length, quads_log2, thread, threads)
         cuda.syncthreads()
 
         # Phase 2: S <- e^gamma_L S + K^T D for this thread's 4x4 tile of S: per token 2 LDS.128, 16 FMAs.
@@ -649,9 +666,9 @@ def gdn_chunk_state(mixed, w, decay, out, states, delta_state, slot, num_k_heads
                     store_f32x4(states, index, state[4 * a], state[4 * a + 1], state[4 * a + 2], state[4 * a + 3])
         cuda.syncthreads()  # K and D consumed
         if following:
-            _store_tile(fetched, tile, stride, quads, chunk, thread, threads)  # W of the next chunk
+            _store_tile(fetched, tile, stride, quads_log2, chunk, thread, threads)  # W of the next chunk
             first = (t0 + chunk) * conv_dim + k_column
-            _fetch_tile(fetched, mixed, first, conv_dim, next_length, quads, thread, threads)
+            _fetch_tile(fetched, mixed, first, conv_dim, next_length, quads_log2, thread, threads)
         cuda.syncthreads()
 
     if owner:
@@ -693,11 +710,11 @@ def gdn_chunk_output(mixed, qk, decay, states, out, num_k_heads, k_dim, v_dim, c
     # Q S_c, 64 key dims staged at a time: per 4 dims 8 LDS.128 for 64 FMAs.
     for base in range(0, k_dim, MAX_CHUNK):
         width = min(MAX_CHUNK, k_dim - base)
-        quads = width // 4
+        quads_log2 = _log2(width // 4)
         cuda.syncthreads()
-        for e in range(thread, chunk * quads, threads):
-            i = e // quads
-            col = 4 * (e % quads)
+        for e in range(thread, chunk << quads_log2, threads):
+            i = e >> quads_log2
+            col = 4 * (e & ((1 << quads_log2) - 1))
             x0 = x1 = x2 = x3 = _ZERO
             if i < length:
                 x0, x1, x2, x3 = load_f32x4(mixed, (t0 + i) * conv_dim + q_column + base + col)
@@ -727,11 +744,11 @@ def gdn_chunk_output(mixed, qk, decay, states, out, num_k_heads, k_dim, v_dim, c
     cuda.syncthreads()
 
     # + (M o Q K^T) Delta: stage the chunk's C x C matrix and Delta (read whole before o replaces it).
-    quads = chunk // 4
+    quads_log2 = _log2(chunk // 4)
     qk_first = (head * ((tokens + chunk - 1) // chunk) + chunk_index) * chunk * chunk
-    for e in range(thread, chunk * quads, threads):
-        i = e // quads
-        col = 4 * (e % quads)
+    for e in range(thread, chunk << quads_log2, threads):
+        i = e >> quads_log2
+        col = 4 * (e & ((1 << quads_log2) - 1))
         x0, x1, x2, x3 = load_f32x4(qk, qk_first + i * chunk + col)
         store_shared_f32x4(q_stage, i * _WIDE_STRIDE + col, x0, x1, x2, x3)
     for e in range(thread, chunk * column_quads, threads):
@@ -953,6 +970,8 @@ def check_prefill_shape(shape: GatedDeltaNetShape, chunk: int) -> None:
     if shape.v_head_dim % COLUMN_TILE or shape.k_head_dim % ROWS_PER_THREAD:
         raise ValueError(f"GDN prefill kernels need dv a multiple of {COLUMN_TILE} and dk of {ROWS_PER_THREAD}, "
                          f"got dv={shape.v_head_dim}, dk={shape.k_head_dim}")  # fmt: skip
+    if shape.k_head_dim & (shape.k_head_dim - 1):
+        raise ValueError(f"GDN prefill kernels need dk a power of two, got dk={shape.k_head_dim}")
     if chunk not in CHUNK_SIZES:
         raise ValueError(f"chunk must be one of {CHUNK_SIZES}, got {chunk}")
     if shape.conv_kernel - 1 > CONV_TOKENS:
