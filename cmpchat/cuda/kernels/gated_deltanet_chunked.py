@@ -634,29 +634,35 @@ def gdn_chunk_state(mixed, w, decay, out, states, delta_state, slot, num_k_heads
             _fetch_tile(fetched, w, first, k_dim, next_length, quads_log2, thread, threads)
         cuda.syncthreads()
 
-        # Phase 2: S <- e^gamma_L S + K^T D for this thread's 4x4 tile of S: per token 2 LDS.128, 16 FMAs.
+        # Phase 2: S <- e^gamma_L S + K^T D for this thread's 4x4 tile of S: per token 2 LDS.128, 16 FMAs, four
+        #    tokens a step (the tiles' rows past the chunk's length are zeros), their loads issued together.
         if owner:
             for e in range(_TILE_ENTRIES_2D):
                 state[e] *= chunk_decay
-            for i in range(length):
-                k0, k1, k2, k3 = load_shared_f32x4(tile, i * stride + 4 * rq)
-                e0, e1, e2, e3 = load_shared_f32x4(d_shared, i * STATE_COLUMNS + 4 * cq)
-                state[0] += k0 * e0
-                state[1] += k0 * e1
-                state[2] += k0 * e2
-                state[3] += k0 * e3
-                state[4] += k1 * e0
-                state[5] += k1 * e1
-                state[6] += k1 * e2
-                state[7] += k1 * e3
-                state[8] += k2 * e0
-                state[9] += k2 * e1
-                state[10] += k2 * e2
-                state[11] += k2 * e3
-                state[12] += k3 * e0
-                state[13] += k3 * e1
-                state[14] += k3 * e2
-                state[15] += k3 * e3
+            k_index = 4 * rq
+            d_index = 4 * cq
+            for _ in range(0, length, 4):
+                for t in range(4):
+                    k0, k1, k2, k3 = load_shared_f32x4(tile, k_index + t * stride)
+                    e0, e1, e2, e3 = load_shared_f32x4(d_shared, d_index + t * STATE_COLUMNS)
+                    state[0] += k0 * e0
+                    state[1] += k0 * e1
+                    state[2] += k0 * e2
+                    state[3] += k0 * e3
+                    state[4] += k1 * e0
+                    state[5] += k1 * e1
+                    state[6] += k1 * e2
+                    state[7] += k1 * e3
+                    state[8] += k2 * e0
+                    state[9] += k2 * e1
+                    state[10] += k2 * e2
+                    state[11] += k2 * e3
+                    state[12] += k3 * e0
+                    state[13] += k3 * e1
+                    state[14] += k3 * e2
+                    state[15] += k3 * e3
+                k_index += 4 * stride
+                d_index += 4 * STATE_COLUMNS
             for a in range(TILE_ENTRIES):
                 r = 4 * rq + a
                 store_shared_f32x4(s_shared, r * STATE_COLUMNS + 4 * cq, state[4 * a], state[4 * a + 1],
