@@ -172,6 +172,8 @@ def test_launcher_checks_and_workspace_sizes():
         prefill_launches(shape, layer.weights, projection, conv, delta, 0, out, chunk=8, workspace=small)
     with pytest.raises(ValueError, match="key heads up to 128"):
         prefill_launches(GatedDeltaNetShape(1, 1, 256, 32, 4, 1e-6), layer.weights, projection, conv, delta, 0, out)
+    with pytest.raises(ValueError, match="dk a power of two"):
+        prefill_launches(GatedDeltaNetShape(1, 1, 96, 32, 4, 1e-6), layer.weights, projection, conv, delta, 0, out)
     # 9B at 4096 tokens: W (32*4096*128) + Q K^T (32*64*64*64) + chunk-start states (64*32*128*128) + decays
     # (32*4096*2), fp32.
     nine_b = GatedDeltaNetShape.from_config(SHAPES_9B)
