@@ -19,14 +19,15 @@ only launch 3 is sequential over the chunks, and it does only the two products t
    dims staged at a time (12 LDS.128 per 128 FMAs); A; T = (I + A)^-1 by blocked forward substitution, a 4x4
    block of T per thread in registers, C/4 steps of one barrier each (a block row of T finished and published,
    then subtracted from the later rows by all their threads at once; one thread per column solving it alone
-   left 6 of 8 warps waiting at the next barrier for half the kernel); W = T diag(beta e^gamma) K -> workspace.w and
-   U = T diag(beta) V -> `out`, C columns of [K | V] staged at a time (8 LDS.128 per 64 FMAs, stopping at T's
-   diagonal); masked decayed Q K^T -> workspace.qk.
+   left 6 of 8 warps waiting at the next barrier for half the kernel); W = T diag(beta e^gamma) K ->
+   workspace.w and U = T diag(beta) V -> `out`, C columns of [K | V] staged at a time (8 LDS.128 per 64 FMAs,
+   stopping at T's diagonal); masked decayed Q K^T -> workspace.qk.
 3. `gdn_chunk_state`, grid (Hv, dv/16) (256 blocks for 9B), max(2C, dk) = 128 threads: the state slice
    S [dk x 16] in registers (4x4 per thread) and in shared memory. Per chunk: S -> workspace.states[c];
    Delta = U - W S (4x4 tiles, dk split in two halves summed through shared memory) over U in `out`;
    S <- e^gamma_L S + K^T diag(e^(gamma_L - gamma)) Delta. W and K of the chunk are staged in one shared tile in
    turn, the next one's 16-byte loads in flight in registers while the current one is used; four barriers.
+   The update S += K^T D takes four tokens a step (the tiles' rows past the chunk's length are zeros).
 4. `gdn_chunk_output`, grid (dv/32, Hv, chunks), 2C threads, fully parallel: o = e^gamma Q S_c +
    (M o Q K^T) Delta in 4x4 register tiles (8 LDS.128 per 64 FMAs), over Delta in `out` (each block stages
    its Delta before writing o in its place; no other block reads it).
@@ -38,10 +39,10 @@ block (32, dk/16), the state slice in registers (16 per thread) for all T tokens
 at a time, one barrier per token (u = S'^T k, S'^T q and k.q reduced together; o = S'^T q + (k.q) delta).
 
 Numba emits no vector shared-memory access, so the register tiles use the 16-byte `load_shared_f32x4`,
-`store_shared_f32x4` and `store_f32x4` of `cmpchat.cuda.intrinsics` (shared arrays declared 16-byte aligned). Static shared
-memory (sm_70 allows 48 KB): prepare 36 KB, state 45 KB, output 26 KB, sequential 24.1 KB, conv and norm
+`store_shared_f32x4` and `store_f32x4` of `cmpchat.cuda.intrinsics` (shared arrays declared 16-byte aligned).
+Static shared memory (sm_70 allows 48 KB): prepare 36 KB, state 45 KB, output 26 KB, sequential 24.1 KB, conv and norm
 16.6 KB; all for dk <= 128 (a power of two), C <= 64. ptxas for sm_70 (CUDA 12.9), registers per thread: conv 64,
-prepare 127, state 255 (8 bytes spilled; none on sm_90), output 98, sequential 94, norm 60. No tensor-core
+prepare 128, state 255 (8 bytes spilled; none on sm_90), output 95, sequential 94, norm 60. No tensor-core
 instruction (DESIGN.md). Staging loops split indices with shifts and masks, never a division by a runtime
 width (~20 instructions each: they were most of the state pass's instructions), and the chunked kernels' block-
 strided loops are while loops: Numba's range() with a runtime step works out its trip count with a 64-bit
