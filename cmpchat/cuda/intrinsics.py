@@ -247,11 +247,11 @@ else:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    def _global_address(context, builder, array_type, array_value, index_value):
+    def _global_address(context, builder, array_type, index_type, array_value, index_value):
         array_struct = cgutils.create_struct_proxy(array_type)(context, builder, value=array_value)
         return builder.gep(array_struct.data, [index_value])
 
-    def _shared_address(context, builder, array_type, array_value, index_value):
+    def _shared_address(context, builder, array_type, index_type, array_value, index_value):
         """array[index]'s address in the shared window, in 32 bits: the base converted from generic once per
         array, the index arithmetic narrowed to 32 bits (64-bit generic addresses cost the register-tiled loops
         two or three integer instructions per 16-byte load)."""
@@ -259,14 +259,7 @@ else:
         i32 = ir.IntType(32)
         shared = builder.addrspacecast(array_struct.data, ir.PointerType(ir.FloatType(), addrspace=3))
         base = builder.ptrtoint(shared, i32)  # shared-window addresses fit 32 bits
-        width = index_value.type.width
-        index = (
-            builder.trunc(index_value, i32)
-            if width > 32
-            else builder.sext(index_value, i32)
-            if width < 32
-            else index_value
-        )
+        index = context.cast(builder, index_value, index_type, types.int32)
         return builder.add(base, builder.shl(index, ir.Constant(i32, 2)))
 
     @intrinsic
@@ -276,7 +269,7 @@ else:
         signature = types.UniTuple(float32, 4)(array, index)
 
         def codegen(context, builder, sig, args):
-            address = _shared_address(context, builder, sig.args[0], *args)
+            address = _shared_address(context, builder, *sig.args, *args)
             f32 = ir.FloatType()
             asm = ir.InlineAsm(
                 ir.FunctionType(ir.LiteralStructType([f32] * 4), [address.type]),
@@ -300,7 +293,7 @@ else:
             signature = types.none(array, index, float32, float32, float32, float32)
 
             def codegen(context, builder, sig, args):
-                address = address_of(context, builder, sig.args[0], args[0], args[1])
+                address = address_of(context, builder, sig.args[0], sig.args[1], args[0], args[1])
                 f32 = ir.FloatType()
                 asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [address.type, f32, f32, f32, f32]), ptx,
                                    f"{constraint},f,f,f,f,~{{memory}}", side_effect=True)  # fmt: skip
