@@ -45,7 +45,7 @@ def test_every_step_is_warmed_up_then_each_prompt_is_fed_in_calls_and_profiled()
 
     def profile_step(sequence: int) -> tuple[list[str], list[float]]:
         profiled.append(sequence)
-        return ["gemm_q8_r64_t64_k2", "gdn_prefill_sequential", "gemm_q8_r64_t64_k2"], [3e-3, 1e-3, 2e-3]
+        return ["gemm_q8_64_64k2p", "gdn_prefill_sequential", "gemm_q8_64_64k2p"], [3e-3, 1e-3, 2e-3]
 
     runs = run_prefill(backend, [1000, 30], call_tokens=512, say=lambda _: None, profile_step=profile_step)  # type: ignore[arg-type]
     warmup = len(WARMUP_PROMPTS)
@@ -70,7 +70,7 @@ def test_gemm_share_and_cmp_projection_follow_the_issue_formula() -> None:
     assert run.cmp_projection(RATES) == pytest.approx(1024 / 0.4 * 0.08 / projected_step)
     assert PrefillRun(297, 0.1).cmp_projection(RATES) is None
     assert PrefillRun(297, 0.1).gemm_share_of_peak(RATES) is None
-    assert kernel_family("gemm_q8_r64_t64_k2") == "GEMM" and kernel_family("gemv_q8_fused_s4") == "GEMV"
+    assert kernel_family("gemm_q8_64_64k2p") == "GEMM" and kernel_family("gemv_q8_fused_s4") == "GEMV"
 
 
 def test_report_compares_with_llama_cpp_and_lists_the_published_cmp_figures() -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cmpchat.cuda.kernels.gemm import SWEEP_TILINGS, GemmTiling, gemm_q8_launch
-from cmpchat.cuda.kernels.gemm_bench import PREFILL_SHAPES, benchmark_gemm, tiling_name
+from cmpchat.cuda.kernels.gemm_bench import PREFILL_SHAPES, benchmark_gemm
 from cmpchat.cuda.kernels.throughput_probes import DP4A_PROBE, compute_rate
 from tests.cuda.q8_reference import device, q8_problem
 from tests.cuda.test_gemv_sim import assert_close
@@ -70,7 +70,7 @@ def test_token_counts_that_leave_tails(mode: str, tokens: int) -> None:
     check_gemm(rows, 4096, mode, tokens)
 
 
-@pytest.mark.parametrize("tiling", SWEEP_TILINGS, ids=tiling_name)
+@pytest.mark.parametrize("tiling", SWEEP_TILINGS, ids=lambda tiling: tiling.label)
 @pytest.mark.parametrize("mode", ["accumulate", "swiglu"])
 def test_every_sweep_tiling(tiling: GemmTiling, mode: str) -> None:
     """What `gemm_bench --sweep` times is correct too (27B ffn down, or 9B ffn gate+up, 300 tokens)."""

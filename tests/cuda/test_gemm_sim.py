@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 
 from cmpchat.backends.reference.layers import Linear, silu
+from cmpchat.cuda.intrinsics import WARP_SIZE
 from cmpchat.cuda.kernels.gemm import (
-    DEFAULT_TILING,
     GPU_TILING,
     LANE_TOKEN_GROUPS,
+    SIMULATOR_TILING,
+    SM70_TILING,
     SWEEP_TILINGS,
     GemmTiling,
+    default_tiling,
     gemm_grid,
     gemm_q8_launch,
     matmul_kind,
@@ -29,7 +32,7 @@ from tests.cuda.test_gemv_sim import RTOL, activations, assert_close, expected_p
 
 
 def run_gemm(
-    raw: np.ndarray, rows: int, cols: int, x: np.ndarray, mode: str = "store", out=None, tiling=DEFAULT_TILING
+    raw: np.ndarray, rows: int, cols: int, x: np.ndarray, mode: str = "store", out=None, tiling=SIMULATOR_TILING
 ) -> np.ndarray:
     weight_quants, weight_scales = repack_q8_0(raw, rows, cols)
     x_quants, x_scales = activations(x)
@@ -87,22 +90,20 @@ def test_epilogues_and_tails(mode: str, rows: int, tokens: int) -> None:
     cols = 160  # 5 blocks: stages of 2, the last one partial
     raw = random_q8(rng, rows, cols)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
-    check_mode(raw, rows, cols, x, mode, DEFAULT_TILING)
+    check_mode(raw, rows, cols, x, mode, SIMULATOR_TILING)
 
 
 @pytest.mark.parametrize(
     "tiling,mode",
-    list(zip(SWEEP_TILINGS, ["swiglu", "store", "accumulate", "store"])),
-    ids=lambda value: (
-        value if isinstance(value, str) else f"{value.tile_rows}x{value.tile_tokens}k{value.stage_blocks}"
-    ),
+    [(tiling, ("swiglu", "store", "accumulate")[n % 3]) for n, tiling in enumerate(SWEEP_TILINGS)],
+    ids=lambda value: value if isinstance(value, str) else value.label,
 )
 def test_the_gpu_tilings(tiling: GemmTiling, mode: str) -> None:
     """The multi-warp tilings the GPU runs, one block each (row and token tails inside it)."""
     rng = np.random.default_rng(tiling.threads + tiling.stage_blocks)
     rows = tiling.tile_rows - 6
     tokens = tiling.tile_tokens - 3
-    cols = 64  # 2 blocks: two stages of 1, one of 2, a partial one of 4 (the 1-warp tests do longer rows)
+    cols = 160  # 5 blocks: stages of 1, of 2 and of 4, the last partial, prefetched ones among them
     raw = random_q8(rng, rows, cols)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     check_mode(raw, rows, cols, x, mode, tiling)
@@ -122,9 +123,7 @@ def test_grid_covers_rows_and_tokens() -> None:
     assert gemm_grid(2 * 33, 1, "swiglu", tiling) == (1, 2)
 
 
-@pytest.mark.parametrize(
-    "tiling", [*SWEEP_TILINGS, DEFAULT_TILING], ids=lambda t: f"{t.tile_rows}x{t.tile_tokens}k{t.stage_blocks}"
-)
+@pytest.mark.parametrize("tiling", [*SWEEP_TILINGS, SIMULATOR_TILING], ids=lambda tiling: tiling.label)
 def test_tiling_arithmetic(tiling: GemmTiling) -> None:
     """Staging covers every value, shared memory stays under the 48 KB needing no opt-in, and the inner
     loop's 16-byte shared reads are free of bank conflicts (checked on the word addresses it uses)."""
@@ -195,3 +194,9 @@ def test_benchmark_shapes_and_op_count() -> None:
     timing = GemmTiming("attn output", 4096, 4096, 512, "accumulate", seconds=1e-3)
     assert timing.ops == 2 * 4096 * 4096 * 512
     assert timing.tops == pytest.approx(2 * 4096 * 4096 * 512 / 1e-3 / 1e12)
+
+
+def test_default_tiling_is_the_simulators_here_and_every_gpu_default_is_swept() -> None:
+    assert default_tiling() == SIMULATOR_TILING
+    assert GPU_TILING in SWEEP_TILINGS and SM70_TILING in SWEEP_TILINGS
+    assert SM70_TILING.blocks_per_sm * SM70_TILING.threads // WARP_SIZE == 12  # 168 registers a thread

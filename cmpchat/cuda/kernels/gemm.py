@@ -14,7 +14,7 @@ Why this shape: prefill does 2 * rows * cols * T ops on rows * cols weight bytes
 (~17 TOPS dp4a, 818 GB/s) is dp4a-bound; what matters is that dp4a is most of what the SMs issue and that
 its operands come from shared memory without bank conflicts. Tensor cores are never used (DESIGN.md).
 
-Tiling (`GemmTiling`; the GPU default `GPU_TILING` in brackets):
+Tiling (`GemmTiling`; the default `GPU_TILING` in brackets, `default_tiling` picks it per GPU):
 - A block owns [64] weight rows x [64] tokens with [4] warps. Its rows are two halves: consecutive rows in
   store/accumulate mode; in SwiGLU mode [32] gate rows g0.. and their up rows g0 + rows/2.., so each thread
   holds a gate row and its up row and the epilogue needs no exchange.
@@ -24,22 +24,24 @@ Tiling (`GemmTiling`; the GPU default `GPU_TILING` in brackets):
   together share a weight tile (read from DRAM once, then from L2).
 - K advances in stages of [2] 32-value blocks: the block copies its rows' and tokens' int8 words of the
   stage into shared memory (16-byte global loads, a row's stage one contiguous span; 16-byte shared
-  stores) with the scales as fp32 beside them, syncs, computes, and syncs again. One buffer: the other
-  blocks on the SM ([4] per SM) compute while one stages (sm_70 has no cp.async; prefetching into registers
-  does not fit the 128-register cap).
+  stores) with the scales as fp32 beside them, syncs, computes, and syncs again. A thread issues all of a
+  stage's global loads before it stores any (one memory latency per stage). [With prefetch] it issues the
+  next stage's loads into registers before computing this one, so the latency hides behind the dp4a
+  (sm_70 has no cp.async to do that without registers).
 - Per 32-block a thread loads its 4 tokens' 8 words (8 16-byte shared loads, held in 32 registers) and
-  scales, then per row the row's 8 words (2 16-byte loads) and its scale, and runs 4 chains of 8 dp4a, each
-  chain then converted and FMA'd into its accumulator with the scale product: 256 dp4a next to 24 16-byte
-  and 12 4-byte shared loads, 96 fp32 instructions and ~25 of addressing: ~60% of the inner loop is dp4a.
-  On the CMP the dp4a rate (~17 TOPS) is well under its issue rate, so the rest should hide behind it.
+  scales, then per pair of rows their 8 words each (4 16-byte loads) and scales, and runs 8 interleaved
+  chains of 8 dp4a, each chain then converted and FMA'd into its accumulator with the scale product: 256
+  dp4a next to 24 16-byte and 12 4-byte shared loads, 96 fp32 instructions and ~25 of addressing.
 - Bank conflicts: staged rows and tokens have a pitch of stage + 4 words, an odd multiple of 4, so the 8
   lanes of a quarter-warp (one row group, 8 consecutive tokens) read 16 bytes each from 8 distinct bank
   quads, and their weight reads are one address (a broadcast). Scales are staged [block][row or token]
   with a pitch of tile + 32 / stage blocks, conflict-free for the staging stores and the inner reads.
-- Budget for sm_70 (ptxas -v, `python -m cmpchat.cuda.ptx_check`): 128 registers (the launch bounds ask for
-  [4] blocks of [128] threads per SM: 16 warps, the whole 64K register file), no spills; 11,520 bytes of
-  static shared memory per block [46 KB per SM]. Unbounded, ptxas takes 163 registers; capped at 96 it spills.
-Rows, tokens and blocks need not fill the tiles: staging loads zeros past the ends, stores are masked.
+- Registers (ptxas -v; `python -m cmpchat.cuda.ptx_check` for sm_70): the launch bounds ask for [16] warps
+  per SM, 128 registers a thread. With prefetch that spills on sm_70 (not on sm_90), so sm_70 runs
+  `SM70_TILING`, the same with 12 warps per SM and 168 registers, which holds it without spilling; 11,520
+  bytes of static shared memory per block.
+Rows, tokens and blocks need not fill the tiles: staging clamps its loads into the operands (what they
+bring meets only rows and tokens that are never stored, or blocks never computed); stores are masked.
 The simulator runs one Python thread per CUDA thread, so it runs the same body with 1-warp blocks.
 """
 
@@ -93,11 +95,21 @@ class GemmTiling:
     """Warps along the tokens (each 8 token groups of 4 tokens: 32 tokens)."""
     stage_blocks: int = 2
     """32-value blocks staged per K step (a power of two)."""
+    prefetch: bool = False
+    """Load the next stage's operands into registers while this stage computes (costs their registers)."""
+    resident_warps: int = WARPS_PER_SM
+    """Warps per SM the registers are capped for: 16 leave 128 registers a thread, 12 leave 168."""
 
     def __post_init__(self) -> None:
         blocks = self.stage_blocks
         if min(self.warp_rows, self.warp_tokens, blocks) < 1 or blocks & (blocks - 1) or blocks > 32:
             raise ValueError(f"bad GEMM tiling {self}")
+
+    @property
+    def label(self) -> str:
+        """rows x tokens, k the stage blocks, p when prefetching: how benchmarks and tests name it."""
+        warps = "" if self.resident_warps == WARPS_PER_SM else f"w{self.resident_warps}"
+        return f"{self.tile_rows}x{self.tile_tokens}k{self.stage_blocks}{'p' if self.prefetch else ''}{warps}"
 
     @property
     def threads(self) -> int:
@@ -137,7 +149,7 @@ class GemmTiling:
     @property
     def blocks_per_sm(self) -> int:
         """Blocks per SM the kernel's registers are capped for (launch bounds)."""
-        return max(1, WARPS_PER_SM // (self.warp_rows * self.warp_tokens))
+        return max(1, self.resident_warps // (self.warp_rows * self.warp_tokens))
 
     def staging_rounds(self) -> tuple[int, int, int, int]:
         """Rounds each thread runs per stage for (weight 16-byte groups, activation 16-byte groups, weight
@@ -155,19 +167,29 @@ class GemmTiling:
         return 4 * (quants + scales)
 
 
-GPU_TILING = GemmTiling(warp_rows=2, warp_tokens=2, stage_blocks=2)
-"""64 rows x 64 tokens, 128 threads, 64 columns per stage, 4 blocks per SM: the default on a GPU."""
+GPU_TILING = GemmTiling(warp_rows=2, warp_tokens=2, stage_blocks=2, prefetch=True)
+"""64 rows x 64 tokens, 128 threads, 64 columns per stage, prefetched, 4 blocks per SM: the default from
+sm_80 on (H200, `gemm_bench --sweep`: 61.0% of the dp4a peak over the 9B projections at 512 tokens, 59.8% with
+12 warps, 57.7% without prefetch)."""
+SM70_TILING = GemmTiling(warp_rows=2, warp_tokens=2, stage_blocks=2, prefetch=True, resident_warps=12)
+"""The CMP's (sm_70) default: `GPU_TILING` with 168 registers, where 128 spill."""
 SWEEP_TILINGS = (
     GPU_TILING,
-    GemmTiling(warp_rows=2, warp_tokens=2, stage_blocks=1),
-    GemmTiling(warp_rows=4, warp_tokens=2, stage_blocks=4),
-    GemmTiling(warp_rows=2, warp_tokens=4, stage_blocks=2),
+    SM70_TILING,
+    GemmTiling(warp_rows=2, warp_tokens=2, stage_blocks=2),
 )
-"""What `gemm_bench --sweep` compares; all registered, so the PTX check covers them (ptxas for sm_70: 128
-registers, no spills; other combinations were tried and spill at the 128-register cap)."""
-SIMULATOR_TILING = GemmTiling(warp_rows=1, warp_tokens=1, stage_blocks=2)
+"""What `gemm_bench --sweep` compares; all registered, so the PTX check covers them. Measured and dropped
+(H200): stages of 1 block (prefetched or not), 128 x 64 tiles with stages of 4, 64 x 128 tiles, and 64 x 32
+tiles, which did not fill more of the GPU at 256 tokens than they lost per block."""
+SIMULATOR_TILING = GemmTiling(warp_rows=1, warp_tokens=1, stage_blocks=2, prefetch=True)
 """32 rows x 32 tokens, one warp: the same body, small enough for one Python thread per CUDA thread."""
-DEFAULT_TILING = SIMULATOR_TILING if SIMULATOR else GPU_TILING
+
+
+def default_tiling() -> GemmTiling:
+    """The tiling for the current GPU (the simulator's when simulating)."""
+    if SIMULATOR:
+        return SIMULATOR_TILING
+    return SM70_TILING if cuda.get_current_device().compute_capability[0] < 8 else GPU_TILING
 
 
 def matmul_kind(tokens: int) -> str:
@@ -176,6 +198,12 @@ def matmul_kind(tokens: int) -> str:
     if tokens < 1:
         raise ValueError("no tokens to multiply")
     return "gemv" if tokens <= MAX_TOKENS else "gemm"
+
+
+@cuda.jit(device=True, inline=True)
+def _words4(stage, src):
+    """Four consecutive staged words (at a 16-byte aligned uint64 index: one 16-byte shared load)."""
+    return stage[src], stage[src + uint64(1)], stage[src + uint64(2)], stage[src + uint64(3)]
 
 
 def _make_gemm_q8(tiling: GemmTiling) -> Any:
@@ -194,6 +222,74 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
     # Shared array sizes must be plain constants for Numba.
     w_stage_size, x_stage_size = tile_rows * pitch, tile_tokens * pitch
     w_scale_size, x_scale_size = stage_blocks * w_scale_pitch, stage_blocks * x_scale_pitch
+    w_staged_size, x_staged_size = 4 * w_rounds, 4 * x_rounds
+    prefetch = tiling.prefetch
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_stage(wq, ws, xq, xs, w_staged, x_staged, ws_staged, xs_staged, first_block, base_a, base_b, token0,
+                    rows, words, tokens, tid):  # fmt: skip
+        # Every global load of a stage is issued before any is stored, so a stage waits for one memory
+        # latency, not one per round, and none is used before the stage is stored (with prefetch, after this
+        # stage computes). The loads are unconditional, a load under a branch is not moved past it: indices
+        # are clamped into the operands, and what a clamped load brings only meets rows and tokens that are
+        # never stored or blocks that are never computed.
+        blocks = words >> 3
+        first_word = first_block * WORDS_PER_BLOCK
+        for r in range(w_rounds):
+            g = min(r * threads + tid, w_groups - 1)
+            local = g >> groups_log2
+            offset = (g & (groups_per_row - 1)) << 2
+            row = base_a + local if local < half_rows else base_b + local - half_rows
+            word = first_word + offset
+            v0, v1, v2, v3 = load_u32x4(wq, uint64(min(row, rows - 1) * words + min(word, words - 4)))
+            w_staged[4 * r], w_staged[4 * r + 1], w_staged[4 * r + 2], w_staged[4 * r + 3] = v0, v1, v2, v3
+        for r in range(x_rounds):
+            g = min(r * threads + tid, x_groups - 1)
+            local = g >> groups_log2
+            offset = (g & (groups_per_row - 1)) << 2
+            token = token0 + local
+            word = first_word + offset
+            v0, v1, v2, v3 = load_u32x4(xq, uint64(min(token, tokens - 1) * words + min(word, words - 4)))
+            x_staged[4 * r], x_staged[4 * r + 1], x_staged[4 * r + 2], x_staged[4 * r + 3] = v0, v1, v2, v3
+        for r in range(ws_rounds):
+            g = min(r * threads + tid, w_scales - 1)
+            local = g >> blocks_log2
+            block = first_block + (g & (stage_blocks - 1))
+            row = base_a + local if local < half_rows else base_b + local - half_rows
+            ws_staged[r] = float32(ws[uint64(min(row, rows - 1) * blocks + min(block, blocks - 1))])
+        for r in range(xs_rounds):
+            g = min(r * threads + tid, x_scales - 1)
+            local = g >> blocks_log2
+            block = first_block + (g & (stage_blocks - 1))
+            token = token0 + local
+            xs_staged[r] = xs[uint64(min(token, tokens - 1) * blocks + min(block, blocks - 1))]
+
+    @cuda.jit(device=True, inline=True)
+    def store_stage(w_staged, x_staged, ws_staged, xs_staged, stage_w, stage_x, scale_w, scale_x, tid):
+        for r in range(w_rounds):
+            g = r * threads + tid
+            if g < w_groups:
+                dst = uint64((g >> groups_log2) * pitch + ((g & (groups_per_row - 1)) << 2))
+                stage_w[dst] = w_staged[4 * r]
+                stage_w[dst + uint64(1)] = w_staged[4 * r + 1]
+                stage_w[dst + uint64(2)] = w_staged[4 * r + 2]
+                stage_w[dst + uint64(3)] = w_staged[4 * r + 3]
+        for r in range(x_rounds):
+            g = r * threads + tid
+            if g < x_groups:
+                dst = uint64((g >> groups_log2) * pitch + ((g & (groups_per_row - 1)) << 2))
+                stage_x[dst] = x_staged[4 * r]
+                stage_x[dst + uint64(1)] = x_staged[4 * r + 1]
+                stage_x[dst + uint64(2)] = x_staged[4 * r + 2]
+                stage_x[dst + uint64(3)] = x_staged[4 * r + 3]
+        for r in range(ws_rounds):
+            g = r * threads + tid
+            if g < w_scales:
+                scale_w[uint64((g & (stage_blocks - 1)) * w_scale_pitch + (g >> blocks_log2))] = ws_staged[r]
+        for r in range(xs_rounds):
+            g = r * threads + tid
+            if g < x_scales:
+                scale_x[uint64((g & (stage_blocks - 1)) * x_scale_pitch + (g >> blocks_log2))] = xs_staged[r]
 
     def gemm_q8(wq, ws, xq, xs, y, rows, words, tokens, mode):
         # Indices are cast to uint64 before indexing: that spares Numba's negative-index wraparound.
@@ -223,58 +319,24 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
         for i in range(THREAD_OUTPUTS):
             acc[i] = float32(0.0)
 
+        w_staged = cuda.local.array(w_staged_size, uint32)  # this thread's share of a stage, in registers
+        x_staged = cuda.local.array(x_staged_size, uint32)
+        ws_staged = cuda.local.array(ws_rounds, float32)
+        xs_staged = cuda.local.array(xs_rounds, float32)
+        if prefetch:
+            fetch_stage(wq, ws, xq, xs, w_staged, x_staged, ws_staged, xs_staged, 0, base_a, base_b, token0,
+                        rows, words, tokens, tid)  # fmt: skip
         for first_block in range(0, blocks, stage_blocks):
-            first_word = first_block * WORDS_PER_BLOCK
+            if not prefetch:
+                fetch_stage(wq, ws, xq, xs, w_staged, x_staged, ws_staged, xs_staged, first_block, base_a, base_b,
+                            token0, rows, words, tokens, tid)  # fmt: skip
             cuda.syncthreads()  # the previous stage's readers are done
-            for r in range(w_rounds):
-                g = r * threads + tid
-                if g < w_groups:
-                    local = g >> groups_log2
-                    offset = (g & (groups_per_row - 1)) << 2
-                    row = base_a + local if local < half_rows else base_b + local - half_rows
-                    v0 = v1 = v2 = v3 = uint32(0)
-                    if row < rows and first_word + offset < words:
-                        v0, v1, v2, v3 = load_u32x4(wq, uint64(row * words + first_word + offset))
-                    dst = uint64(local * pitch + offset)
-                    stage_w[dst] = v0
-                    stage_w[dst + uint64(1)] = v1
-                    stage_w[dst + uint64(2)] = v2
-                    stage_w[dst + uint64(3)] = v3
-            for r in range(x_rounds):
-                g = r * threads + tid
-                if g < x_groups:
-                    local = g >> groups_log2
-                    offset = (g & (groups_per_row - 1)) << 2
-                    token = token0 + local
-                    v0 = v1 = v2 = v3 = uint32(0)
-                    if token < tokens and first_word + offset < words:
-                        v0, v1, v2, v3 = load_u32x4(xq, uint64(token * words + first_word + offset))
-                    dst = uint64(local * pitch + offset)
-                    stage_x[dst] = v0
-                    stage_x[dst + uint64(1)] = v1
-                    stage_x[dst + uint64(2)] = v2
-                    stage_x[dst + uint64(3)] = v3
-            for r in range(ws_rounds):
-                g = r * threads + tid
-                if g < w_scales:
-                    local = g >> blocks_log2
-                    block = g & (stage_blocks - 1)
-                    row = base_a + local if local < half_rows else base_b + local - half_rows
-                    scale = float32(0.0)
-                    if row < rows and first_block + block < blocks:
-                        scale = float32(ws[uint64(row * blocks + first_block + block)])
-                    scale_w[uint64(block * w_scale_pitch + local)] = scale
-            for r in range(xs_rounds):
-                g = r * threads + tid
-                if g < x_scales:
-                    local = g >> blocks_log2
-                    block = g & (stage_blocks - 1)
-                    token = token0 + local
-                    scale = float32(0.0)
-                    if token < tokens and first_block + block < blocks:
-                        scale = xs[uint64(token * blocks + first_block + block)]
-                    scale_x[uint64(block * x_scale_pitch + local)] = scale
+            store_stage(w_staged, x_staged, ws_staged, xs_staged, stage_w, stage_x, scale_w, scale_x, tid)
             cuda.syncthreads()
+            if prefetch and first_block + stage_blocks < blocks:
+                # The next stage's loads are in flight while this one computes.
+                fetch_stage(wq, ws, xq, xs, w_staged, x_staged, ws_staged, xs_staged, first_block + stage_blocks,
+                            base_a, base_b, token0, rows, words, tokens, tid)  # fmt: skip
 
             for block in range(min(stage_blocks, blocks - first_block)):
                 for j in range(THREAD_TOKENS):
@@ -282,33 +344,37 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
                     for w in range(WORDS_PER_BLOCK):
                         x[WORDS_PER_BLOCK * j + w] = stage_x[src + uint64(w)]
                     x_scale[j] = scale_x[uint64(block * x_scale_pitch + tg + token_groups * j)]
-                for i in range(THREAD_ROWS):
-                    local = rg + row_groups * i  # i < 4: the first half of the tile, i >= 4: the second
-                    src = uint64(local * pitch + block * WORDS_PER_BLOCK)
-                    w0, w1, w2, w3 = (
-                        stage_w[src],
-                        stage_w[src + uint64(1)],
-                        stage_w[src + uint64(2)],
-                        stage_w[src + uint64(3)],
-                    )
-                    w4, w5, w6, w7 = (
-                        stage_w[src + uint64(4)],
-                        stage_w[src + uint64(5)],
-                        stage_w[src + uint64(6)],
-                        stage_w[src + uint64(7)],
-                    )
-                    w_scale = scale_w[uint64(block * w_scale_pitch + local)]
+                for pair in range(THREAD_ROWS // 2):
+                    # Two rows at a time: eight independent dp4a chains hide the dp4a latency.
+                    i, n = 2 * pair, 2 * pair + 1
+                    src_i = uint64((rg + row_groups * i) * pitch + block * WORDS_PER_BLOCK)
+                    src_n = uint64((rg + row_groups * n) * pitch + block * WORDS_PER_BLOCK)
+                    a0, a1, a2, a3 = _words4(stage_w, src_i)
+                    a4, a5, a6, a7 = _words4(stage_w, src_i + uint64(4))
+                    b0, b1, b2, b3 = _words4(stage_w, src_n)
+                    b4, b5, b6, b7 = _words4(stage_w, src_n + uint64(4))
+                    scale_i = scale_w[uint64(block * w_scale_pitch + rg + row_groups * i)]
+                    scale_n = scale_w[uint64(block * w_scale_pitch + rg + row_groups * n)]
                     for j in range(THREAD_TOKENS):
                         k = WORDS_PER_BLOCK * j
-                        dot = dp4a(w0, x[k], int32(0))
-                        dot = dp4a(w1, x[k + 1], dot)
-                        dot = dp4a(w2, x[k + 2], dot)
-                        dot = dp4a(w3, x[k + 3], dot)
-                        dot = dp4a(w4, x[k + 4], dot)
-                        dot = dp4a(w5, x[k + 5], dot)
-                        dot = dp4a(w6, x[k + 6], dot)
-                        dot = dp4a(w7, x[k + 7], dot)
-                        acc[THREAD_TOKENS * i + j] += float32(dot) * (w_scale * x_scale[j])
+                        dot_i = dp4a(a0, x[k], int32(0))
+                        dot_n = dp4a(b0, x[k], int32(0))
+                        dot_i = dp4a(a1, x[k + 1], dot_i)
+                        dot_n = dp4a(b1, x[k + 1], dot_n)
+                        dot_i = dp4a(a2, x[k + 2], dot_i)
+                        dot_n = dp4a(b2, x[k + 2], dot_n)
+                        dot_i = dp4a(a3, x[k + 3], dot_i)
+                        dot_n = dp4a(b3, x[k + 3], dot_n)
+                        dot_i = dp4a(a4, x[k + 4], dot_i)
+                        dot_n = dp4a(b4, x[k + 4], dot_n)
+                        dot_i = dp4a(a5, x[k + 5], dot_i)
+                        dot_n = dp4a(b5, x[k + 5], dot_n)
+                        dot_i = dp4a(a6, x[k + 6], dot_i)
+                        dot_n = dp4a(b6, x[k + 6], dot_n)
+                        dot_i = dp4a(a7, x[k + 7], dot_i)
+                        dot_n = dp4a(b7, x[k + 7], dot_n)
+                        acc[THREAD_TOKENS * i + j] += float32(dot_i) * (scale_i * x_scale[j])
+                        acc[THREAD_TOKENS * n + j] += float32(dot_n) * (scale_n * x_scale[j])
 
         for j in range(THREAD_TOKENS):
             token = token0 + tg + token_groups * j
@@ -331,7 +397,7 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
                                 else:
                                     y[uint64(out + r)] = value
 
-    name = f"gemm_q8_r{tile_rows}_t{tile_tokens}_k{stage_blocks}"
+    name = "gemm_q8_" + tiling.label.replace("x", "_")
     gemm_q8.__name__ = gemm_q8.__qualname__ = name
     # ptxas keeps to the registers that let `blocks_per_sm` blocks share an SM (128 at 16 warps per SM).
     return kernel(GEMM_Q8_SIGNATURE, launch_bounds=(threads, tiling.blocks_per_sm))(gemm_q8)
@@ -355,7 +421,7 @@ del _tiling
 # ---------------------------------------------------------------------------------------------- host side
 
 
-def gemm_grid(rows: int, tokens: int, mode: str, tiling: GemmTiling = DEFAULT_TILING) -> tuple[int, int]:
+def gemm_grid(rows: int, tokens: int, mode: str, tiling: GemmTiling) -> tuple[int, int]:
     """(token tiles, row tiles): the launch grid for a weight of `rows` rows and `tokens` tokens."""
     out_rows = rows // 2 if mode == "swiglu" else rows
     row_tile = tiling.tile_rows // 2 if mode == "swiglu" else tiling.tile_rows
@@ -370,15 +436,17 @@ def gemm_q8_launch(
     out: Any,
     *,
     mode: str = "store",
-    tiling: GemmTiling = DEFAULT_TILING,
+    tiling: GemmTiling | None = None,
 ) -> Launch:
     """y = W x for any number of quantised tokens (layouts in the module docstring; best above 16 tokens,
     see `matmul_kind`).
 
     mode "store" writes out [T, rows]; "accumulate" adds into it; "swiglu" takes W = [gate | up] stacked
-    along rows and writes silu(gate x) * (up x) into out [T, rows/2]. `tiling` is for benchmarks and tests.
+    along rows and writes silu(gate x) * (up x) into out [T, rows/2]. `tiling` (default: `default_tiling()`)
+    is for benchmarks and tests.
     """
     rows, words, tokens, code = check_q8_matmul(weight_quants, weight_scales, x_quants, x_scales, out, mode)
+    tiling = tiling or default_tiling()
     grid = gemm_grid(rows, tokens, mode, tiling)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"{rows} rows need {grid[1]} row tiles, more than a grid's {MAX_GRID_Y}: split the weight")

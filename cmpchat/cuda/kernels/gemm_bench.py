@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from cmpchat.cuda.kernels.gemm import DEFAULT_TILING, SWEEP_TILINGS, GemmTiling, gemm_q8_launch
+from cmpchat.cuda.kernels.gemm import SWEEP_TILINGS, GemmTiling, default_tiling, gemm_q8_launch
 from cmpchat.cuda.kernels.gemv import output_shape, weight_bytes
 from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES, time_launches
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK
@@ -55,7 +55,7 @@ class GemmTiming:
 
 def benchmark_gemm(
     rows: int, cols: int, tokens: int, *, mode: str = "store", name: str = "", repeats: int = 20, warmup: int = 3,
-    seed: int = 0, cycle_bytes: int = 256 << 20, tiling: GemmTiling = DEFAULT_TILING,
+    seed: int = 0, cycle_bytes: int = 256 << 20, tiling: GemmTiling | None = None,
 ) -> GemmTiming:  # fmt: skip
     """Time the GEMM for this shape and token count (needs a GPU)."""
     problem = _DeviceProblem(rows, cols, tokens, mode, seed, cycle_bytes)
@@ -77,7 +77,7 @@ class _DeviceProblem:
         self.out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
         self.mode = mode
 
-    def time(self, tiling: GemmTiling, repeats: int, warmup: int) -> float:
+    def time(self, tiling: GemmTiling | None, repeats: int, warmup: int) -> float:
         """Seconds per launch."""
         launches = [
             gemm_q8_launch(quants, scales, self.x_quants, self.x_scales, self.out, mode=self.mode, tiling=tiling)
@@ -86,14 +86,11 @@ class _DeviceProblem:
         return time_launches(launches, repeats, warmup) / len(launches)
 
 
-def tiling_name(tiling: GemmTiling) -> str:
-    return f"{tiling.tile_rows}x{tiling.tile_tokens}k{tiling.stage_blocks}"
-
-
 def sweep_tilings(model: str, tokens: list[int], repeats: int, peak: float) -> None:
     """Time every tiling of `SWEEP_TILINGS` on every prefill projection of `model`, and the total per token
     count (each projection once), so the default can be chosen by measurement."""
-    print(f"{model}: GEMM tilings (rows x tokens k stage blocks) -> µs per launch (% of the dp4a peak)")
+    print(f"{model}: GEMM tilings (rows x tokens, k stage blocks, p prefetch, w warps per SM) -> µs per launch "
+          "(% of the dp4a peak)")  # fmt: skip
     for count in tokens:
         totals = dict.fromkeys(SWEEP_TILINGS, 0.0)
         for name, rows, cols, mode in PREFILL_SHAPES[model]:
@@ -102,11 +99,11 @@ def sweep_tilings(model: str, tokens: list[int], repeats: int, peak: float) -> N
             times = {tiling: problem.time(tiling, repeats, 3) for tiling in SWEEP_TILINGS}
             for tiling, seconds in times.items():
                 totals[tiling] += seconds
-            cells = " ".join(f"{tiling_name(t)}:{s * 1e6:.0f} ({ops / s / peak:.0%})" for t, s in times.items())
+            cells = " ".join(f"{t.label}:{s * 1e6:.0f} ({ops / s / peak:.0%})" for t, s in times.items())
             print(f"  T={count:<5} {name:24} {cells}")
-        best = min(totals, key=totals.__getitem__)
-        print(f"  T={count:<5} all projections: best {tiling_name(best)} {totals[best] * 1e3:.3f} ms; default "
-              f"{tiling_name(DEFAULT_TILING)} {totals[DEFAULT_TILING] * 1e3:.3f} ms")  # fmt: skip
+        best, default = min(totals, key=totals.__getitem__), default_tiling()
+        print(f"  T={count:<5} all projections: best {best.label} {totals[best] * 1e3:.3f} ms; default "
+              f"{default.label} {totals[default] * 1e3:.3f} ms")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,13 +124,20 @@ def main(argv: list[str] | None = None) -> None:
         f"{'model':5} {'shape':24} {'rows':>7} {'cols':>6} {'T':>5} {'mode':10} {'µs':>10} {'TOPS':>7} {'of dp4a':>8}"
     )
     for model in args.models:
+        seconds, ops = dict.fromkeys(args.tokens, 0.0), dict.fromkeys(args.tokens, 0)
         for name, rows, cols, mode in PREFILL_SHAPES[model]:
             for tokens in args.tokens:
                 t = benchmark_gemm(rows, cols, tokens, mode=mode, name=name, repeats=args.repeats)
+                seconds[tokens] += t.seconds
+                ops[tokens] += t.ops
                 print(
                     f"{model:5} {name:24} {rows:7} {cols:6} {tokens:5} {mode:10} {t.seconds * 1e6:10.1f} "
                     f"{t.tops:7.2f} {t.tops * 1e12 / peak:8.1%}"
                 )
+        for tokens in args.tokens:
+            tops = ops[tokens] / seconds[tokens] / 1e12
+            print(f"{model:5} {'all projections':24} {'':7} {'':6} {tokens:5} {'':10} {seconds[tokens] * 1e6:10.1f} "
+                  f"{tops:7.2f} {tops * 1e12 / peak:8.1%}")  # fmt: skip
 
 
 if __name__ == "__main__":
