@@ -242,6 +242,10 @@ if SIMULATOR:
 
     store_f32x4 = store_shared_f32x4  # one memory for the simulator
 
+    @cuda.jit(device=True)
+    def load_global_f32x4(array, index):
+        return array[index], array[index + 1], array[index + 2], array[index + 3]
+
 else:
     from llvmlite import ir
     from numba.cuda import cgutils
@@ -279,6 +283,28 @@ else:
                 # address and hoists/CSEs it across cuda.syncthreads() (gdn_chunk_state's d_shared reads were
                 # hoisted out of the chunk loop: garbage on the GPU, invisible to the simulator).
                 side_effect=True,
+            )
+            loaded = builder.call(asm, [address])
+            values = [builder.extract_value(loaded, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return signature, codegen
+
+    @intrinsic
+    def load_global_f32x4(typingctx, array, index):
+        """A 16-byte global load through the coherent path, for data this kernel overwrites later (after
+        reading it: the read-only `load_f32x4` needs memory no thread writes during the kernel)."""
+        if not (isinstance(array, types.Array) and array.dtype == float32 and isinstance(index, types.Integer)):
+            return None
+        signature = types.UniTuple(float32, 4)(array, index)
+
+        def codegen(context, builder, sig, args):
+            address = _global_address(context, builder, *sig.args, *args)
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([f32] * 4), [address.type]),
+                "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];",
+                "=f,=f,=f,=f,l,~{memory}",  # ordered with this thread's stores, like any load of written memory
             )
             loaded = builder.call(asm, [address])
             values = [builder.extract_value(loaded, i) for i in range(4)]

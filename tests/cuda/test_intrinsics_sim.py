@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from cmpchat.cuda.intrinsics import SIMULATOR, dp4a, load_u32x4, warp_max_f32, warp_sum_f32, warp_sum_i32
+from cmpchat.cuda.intrinsics import (
+    SIMULATOR,
+    dp4a,
+    load_global_f32x4,
+    load_u32x4,
+    warp_max_f32,
+    warp_sum_f32,
+    warp_sum_i32,
+)
 
 
 def test_runs_under_the_simulator():
@@ -62,6 +70,19 @@ def test_load_u32x4_reads_four_words():
     out = np.zeros(8, dtype=np.uint32)
     run[1, 8](words, out)
     np.testing.assert_array_equal(out, words.reshape(8, 4).sum(axis=1))
+
+
+def test_load_global_f32x4_reads_four_values_the_kernel_then_overwrites():
+    @cuda.jit
+    def run(values):
+        i = cuda.grid(1)
+        a, b, c, d = load_global_f32x4(values, 4 * i)
+        values[4 * i] = a + b + c + d
+
+    values = np.arange(32, dtype=np.float32)
+    expected = values.reshape(8, 4).sum(axis=1)
+    run[1, 8](values)
+    np.testing.assert_array_equal(values[::4], expected)
 
 
 def test_unpack_f16x2_gives_both_halves_exactly():

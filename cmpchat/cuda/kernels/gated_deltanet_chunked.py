@@ -60,7 +60,14 @@ import numpy as np
 from numba import cuda, float32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import SIMULATOR, load_f32x4, load_shared_f32x4, store_f32x4, store_shared_f32x4
+from cmpchat.cuda.intrinsics import (
+    SIMULATOR,
+    load_f32x4,
+    load_global_f32x4,
+    load_shared_f32x4,
+    store_f32x4,
+    store_shared_f32x4,
+)
 from cmpchat.cuda.kernels.elementwise import sigmoid, silu, softplus
 from cmpchat.cuda.kernels.gated_deltanet import (
     L2_NORM_EPS,
@@ -87,6 +94,8 @@ STATE_THREADS = 128
 OUTPUT_COLUMNS = 32
 """Value columns per block of the output kernel."""
 OUTPUT_THREADS = 128
+STAGE_BATCH = 4
+"""16-byte loads an output-kernel thread has in flight while staging a tile (8 take 146 registers on sm_70)."""
 PREFETCH = 16
 """16-byte loads per state-pass thread holding the next 64 x dk tile (W or K) while the current one is used."""
 CONV_TOKENS = 16
@@ -123,6 +132,8 @@ _PREFETCH_VALUES = 4 * PREFETCH
 _OUTPUT_Q = MAX_CHUNK * _WIDE_STRIDE
 _OUTPUT_S = MAX_CHUNK * (OUTPUT_COLUMNS + 4)
 _OUTPUT_STRIDE = OUTPUT_COLUMNS + 4
+_OUTPUT_QUADS_LOG2 = (OUTPUT_COLUMNS // 4).bit_length() - 1
+_STAGE_VALUES = 4 * STAGE_BATCH
 _STAGED_KEYS = STAGED_TOKENS * MAX_KEY_DIM
 _STAGED_VALUES = STAGED_TOKENS * COLUMN_TILE
 _PARTIALS = 2 * 3 * MAX_GROUPS * COLUMN_TILE  # u, S'^T q and k.q per row group, double-buffered
@@ -696,6 +707,37 @@ def gdn_chunk_state(mixed, w, decay, out, states, delta_state, slot, num_k_heads
                 head_state[4 * rq + a, col0 + 4 * cq + b] = state[4 * a + b]
 
 
+@cuda.jit(device=True, inline=True)
+def _stage_tile(tile, stride, source, first, row_stride, rows, valid_rows, quads_log2, coherent, thread, threads):
+    """tile[row * stride + ...] <- source[first + row * row_stride + ...]: a [rows x 4*2^quads_log2] tile into
+    shared memory, zeros from row `valid_rows` (>= 1) on. A thread issues STAGE_BATCH 16-byte loads before it
+    stores any, so staging waits one memory latency per batch, not one per load; `coherent` loads data this
+    kernel overwrites later. Threads keep their quad and step down the rows (`threads` a multiple of the quads)."""
+    rows_per_pass = threads >> quads_log2
+    quad = 4 * (thread & ((1 << quads_log2) - 1))
+    values = cuda.local.array(_STAGE_VALUES, float32)
+    first_row = thread >> quads_log2
+    while first_row < rows:
+        row = first_row
+        for n in range(STAGE_BATCH):
+            x0 = x1 = x2 = x3 = _ZERO
+            if row < valid_rows:
+                index = first + row * row_stride + quad
+                if coherent:
+                    x0, x1, x2, x3 = load_global_f32x4(source, index)
+                else:
+                    x0, x1, x2, x3 = load_f32x4(source, index)
+            values[4 * n], values[4 * n + 1], values[4 * n + 2], values[4 * n + 3] = x0, x1, x2, x3
+            row += rows_per_pass
+        row = first_row
+        for n in range(STAGE_BATCH):
+            if row < rows:
+                store_shared_f32x4(tile, row * stride + quad, values[4 * n], values[4 * n + 1], values[4 * n + 2],
+                                   values[4 * n + 3])  # fmt: skip
+            row += rows_per_pass
+        first_row += STAGE_BATCH * rows_per_pass
+
+
 @kernel(_OUTPUT_SIGNATURE, launch_bounds=OUTPUT_THREADS)
 def gdn_chunk_output(mixed, qk, decay, states, out, num_k_heads, k_dim, v_dim, chunk):
     """Block (32 value columns, value head, chunk), 2C threads: o = e^gamma Q S_c + (M o Q K^T) Delta over
@@ -723,7 +765,6 @@ def gdn_chunk_output(mixed, qk, decay, states, out, num_k_heads, k_dim, v_dim, c
     b_rows = cuda.local.array(_TILE_ENTRIES_2D, float32)
     for e in range(_TILE_ENTRIES_2D):
         acc[e] = _ZERO
-    column_quads = OUTPUT_COLUMNS // 4
     state_first = (chunk_index * num_v_heads + head) * k_dim
 
     # Q S_c, 64 key dims staged at a time: per 4 dims 8 LDS.128 for 64 FMAs.
@@ -731,22 +772,10 @@ def gdn_chunk_output(mixed, qk, decay, states, out, num_k_heads, k_dim, v_dim, c
         width = min(MAX_CHUNK, k_dim - base)
         quads_log2 = _log2(width // 4)
         cuda.syncthreads()
-        e = thread
-        while e < chunk << quads_log2:
-            i = e >> quads_log2
-            col = 4 * (e & ((1 << quads_log2) - 1))
-            x0 = x1 = x2 = x3 = _ZERO
-            if i < length:
-                x0, x1, x2, x3 = load_f32x4(mixed, (t0 + i) * conv_dim + q_column + base + col)
-            store_shared_f32x4(q_stage, i * _WIDE_STRIDE + col, x0, x1, x2, x3)
-            e += threads
-        e = thread
-        while e < width * column_quads:
-            r = e // column_quads
-            col = 4 * (e % column_quads)
-            x0, x1, x2, x3 = load_f32x4(states, (state_first + base + r) * v_dim + col0 + col)
-            store_shared_f32x4(s_stage, r * _OUTPUT_STRIDE + col, x0, x1, x2, x3)
-            e += threads
+        _stage_tile(q_stage, _WIDE_STRIDE, mixed, t0 * conv_dim + q_column + base, conv_dim, chunk, length,
+                    quads_log2, False, thread, threads)  # fmt: skip
+        _stage_tile(s_stage, _OUTPUT_STRIDE, states, (state_first + base) * v_dim + col0, v_dim, width, width,
+                    _OUTPUT_QUADS_LOG2, False, thread, threads)  # fmt: skip
         cuda.syncthreads()
         for c in range(0, width, 4):
             for a in range(TILE_ENTRIES):
@@ -769,26 +798,9 @@ def gdn_chunk_output(mixed, qk, decay, states, out, num_k_heads, k_dim, v_dim, c
     # + (M o Q K^T) Delta: stage the chunk's C x C matrix and Delta (read whole before o replaces it).
     quads_log2 = _log2(chunk // 4)
     qk_first = (head * ((tokens + chunk - 1) // chunk) + chunk_index) * chunk * chunk
-    e = thread
-    while e < chunk << quads_log2:
-        i = e >> quads_log2
-        col = 4 * (e & ((1 << quads_log2) - 1))
-        x0, x1, x2, x3 = load_f32x4(qk, qk_first + i * chunk + col)
-        store_shared_f32x4(q_stage, i * _WIDE_STRIDE + col, x0, x1, x2, x3)
-        e += threads
-    e = thread
-    while e < chunk * column_quads:
-        m = e // column_quads
-        col = 4 * (e % column_quads)
-        x0 = x1 = x2 = x3 = _ZERO
-        if m < length:
-            index = (t0 + m) * out_width + head * v_dim + col0 + col
-            x0 = out[index]
-            x1 = out[index + 1]
-            x2 = out[index + 2]
-            x3 = out[index + 3]
-        store_shared_f32x4(s_stage, m * _OUTPUT_STRIDE + col, x0, x1, x2, x3)
-        e += threads
+    _stage_tile(q_stage, _WIDE_STRIDE, qk, qk_first, chunk, chunk, chunk, quads_log2, False, thread, threads)
+    _stage_tile(s_stage, _OUTPUT_STRIDE, out, t0 * out_width + head * v_dim + col0, out_width, chunk, length,
+                _OUTPUT_QUADS_LOG2, True, thread, threads)  # fmt: skip
     cuda.syncthreads()
     m_end = min(length, rg + side * (TILE_ENTRIES - 1) + 1)  # M o Q K^T is lower triangular
     m_end = (m_end + 3) // 4 * 4
