@@ -30,7 +30,8 @@ only launch 3 is sequential over the chunks, and it does only the two products t
    The update S += K^T D takes four tokens a step (the tiles' rows past the chunk's length are zeros).
 4. `gdn_chunk_output`, grid (dv/32, Hv, chunks), 2C threads, fully parallel: o = e^gamma Q S_c +
    (M o Q K^T) Delta in 4x4 register tiles (8 LDS.128 per 64 FMAs), over Delta in `out` (each block stages
-   its Delta before writing o in its place; no other block reads it).
+   its Delta before writing o in its place; no other block reads it). Tiles are staged STAGE_BATCH 16-byte
+   loads per thread at a time, all issued before any is stored.
 5. `gdn_prefill_gated_norm`, grid (Hv, ceil(T/16)), dv threads, 16 tokens per block:
    out = RMSNorm(o) * weight * silu(z), in place.
 
@@ -42,7 +43,7 @@ Numba emits no vector shared-memory access, so the register tiles use the 16-byt
 `store_shared_f32x4` and `store_f32x4` of `cmpchat.cuda.intrinsics` (shared arrays declared 16-byte aligned).
 Static shared memory (sm_70 allows 48 KB): prepare 36 KB, state 45 KB, output 26 KB, sequential 24.1 KB, conv and norm
 16.6 KB; all for dk <= 128 (a power of two), C <= 64. ptxas for sm_70 (CUDA 12.9), registers per thread: conv 64,
-prepare 128, state 255 (8 bytes spilled; none on sm_90), output 95, sequential 94, norm 60. No tensor-core
+prepare 128, state 255 (8 bytes spilled; none on sm_90), output 108, sequential 94, norm 60. No tensor-core
 instruction (DESIGN.md). Staging loops split indices with shifts and masks, never a division by a runtime
 width (~20 instructions each: they were most of the state pass's instructions), and the chunked kernels' block-
 strided loops are while loops: Numba's range() with a runtime step works out its trip count with a 64-bit
