@@ -266,51 +266,38 @@ else:
         index = context.cast(builder, index_value, index_type, types.int32)
         return builder.add(base, builder.shl(index, ir.Constant(i32, 2)))
 
-    @intrinsic
-    def load_shared_f32x4(typingctx, array, index):
-        if not (isinstance(array, types.Array) and array.dtype == float32 and isinstance(index, types.Integer)):
-            return None
-        signature = types.UniTuple(float32, 4)(array, index)
+    def _load_f32x4(ptx: str, name: str, address_of, constraint: str, volatile: bool) -> object:
+        def load_x4(typingctx, array, index):
+            if not (isinstance(array, types.Array) and array.dtype == float32 and isinstance(index, types.Integer)):
+                return None
+            signature = types.UniTuple(float32, 4)(array, index)
 
-        def codegen(context, builder, sig, args):
-            address = _shared_address(context, builder, *sig.args, *args)
-            f32 = ir.FloatType()
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.LiteralStructType([f32] * 4), [address.type]),
-                "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
-                "=f,=f,=f,=f,r,~{memory}",
-                # Volatile and clobbering memory: without it NVVM takes the asm for a pure function of the
-                # address and hoists/CSEs it across cuda.syncthreads() (gdn_chunk_state's d_shared reads were
-                # hoisted out of the chunk loop: garbage on the GPU, invisible to the simulator).
-                side_effect=True,
-            )
-            loaded = builder.call(asm, [address])
-            values = [builder.extract_value(loaded, i) for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, values)
+            def codegen(context, builder, sig, args):
+                address = address_of(context, builder, *sig.args, *args)
+                f32 = ir.FloatType()
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * 4), [address.type]), ptx,
+                                   f"=f,=f,=f,=f,{constraint},~{{memory}}", side_effect=volatile)  # fmt: skip
+                loaded = builder.call(asm, [address])
+                values = [builder.extract_value(loaded, i) for i in range(4)]
+                return context.make_tuple(builder, sig.return_type, values)
 
-        return signature, codegen
+            return signature, codegen
 
-    @intrinsic
-    def load_global_f32x4(typingctx, array, index):
-        """A 16-byte global load through the coherent path, for data this kernel overwrites later (after
-        reading it: the read-only `load_f32x4` needs memory no thread writes during the kernel)."""
-        if not (isinstance(array, types.Array) and array.dtype == float32 and isinstance(index, types.Integer)):
-            return None
-        signature = types.UniTuple(float32, 4)(array, index)
+        load_x4.__name__ = load_x4.__qualname__ = name
+        return intrinsic(load_x4)
 
-        def codegen(context, builder, sig, args):
-            address = _global_address(context, builder, *sig.args, *args)
-            f32 = ir.FloatType()
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.LiteralStructType([f32] * 4), [address.type]),
-                "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];",
-                "=f,=f,=f,=f,l,~{memory}",  # ordered with this thread's stores, like any load of written memory
-            )
-            loaded = builder.call(asm, [address])
-            values = [builder.extract_value(loaded, i) for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, values)
-
-        return signature, codegen
+    # Volatile and clobbering memory: without it NVVM takes the asm for a pure function of the address and
+    # hoists/CSEs it across cuda.syncthreads() (gdn_chunk_state's d_shared reads were hoisted out of the chunk
+    # loop: garbage on the GPU, invisible to the simulator).
+    load_shared_f32x4 = _load_f32x4(
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "load_shared_f32x4", _shared_address, "r", volatile=True
+    )
+    # Through the coherent path, for data the kernel overwrites later (after reading it): the read-only
+    # `load_f32x4` needs memory no thread writes during the kernel. Clobbering memory keeps it in order with this
+    # thread's stores, as any load of written memory.
+    load_global_f32x4 = _load_f32x4(
+        "ld.global.v4.f32 {$0, $1, $2, $3}, [$4];", "load_global_f32x4", _global_address, "l", volatile=False
+    )
 
     def _store_x4(ptx: str, name: str, address_of, constraint: str) -> object:
         def store_x4(typingctx, array, index, a, b, c, d):
