@@ -95,6 +95,7 @@ def test_epilogues_store_accumulate_and_swiglu() -> None:
     [
         (5, 4352, 1),  # two staged chunks (1024 words per token for T=1), odd rows: a clamped dead row
         (4, 1056, 9),  # token bucket 16 padded, two chunks of 256 words per token
+        (3, 544, 6),  # token bucket 8 padded, one partial chunk (staged in batches, clamped past the ends)
     ],
 )
 def test_chunks_tails_and_buckets(rows: int, cols: int, tokens: int) -> None:
