@@ -265,23 +265,22 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
             xs_staged[r] = xs[uint64(min(token, tokens - 1) * blocks + min(block, blocks - 1))]
 
     @cuda.jit(device=True, inline=True)
+    def store_groups(staged, stage, rounds, groups, tid):
+        """This thread's fetched 16-byte groups of a stage (`rounds`, `groups`: the tiling's constants) into
+        the staged rows of `pitch` words."""
+        for r in range(rounds):
+            g = r * threads + tid
+            if g < groups:
+                dst = uint64((g >> groups_log2) * pitch + ((g & (groups_per_row - 1)) << 2))
+                stage[dst] = staged[4 * r]
+                stage[dst + uint64(1)] = staged[4 * r + 1]
+                stage[dst + uint64(2)] = staged[4 * r + 2]
+                stage[dst + uint64(3)] = staged[4 * r + 3]
+
+    @cuda.jit(device=True, inline=True)
     def store_stage(w_staged, x_staged, ws_staged, xs_staged, stage_w, stage_x, scale_w, scale_x, tid):
-        for r in range(w_rounds):
-            g = r * threads + tid
-            if g < w_groups:
-                dst = uint64((g >> groups_log2) * pitch + ((g & (groups_per_row - 1)) << 2))
-                stage_w[dst] = w_staged[4 * r]
-                stage_w[dst + uint64(1)] = w_staged[4 * r + 1]
-                stage_w[dst + uint64(2)] = w_staged[4 * r + 2]
-                stage_w[dst + uint64(3)] = w_staged[4 * r + 3]
-        for r in range(x_rounds):
-            g = r * threads + tid
-            if g < x_groups:
-                dst = uint64((g >> groups_log2) * pitch + ((g & (groups_per_row - 1)) << 2))
-                stage_x[dst] = x_staged[4 * r]
-                stage_x[dst + uint64(1)] = x_staged[4 * r + 1]
-                stage_x[dst + uint64(2)] = x_staged[4 * r + 2]
-                stage_x[dst + uint64(3)] = x_staged[4 * r + 3]
+        store_groups(w_staged, stage_w, w_rounds, w_groups, tid)
+        store_groups(x_staged, stage_x, x_rounds, x_groups, tid)
         for r in range(ws_rounds):
             g = r * threads + tid
             if g < w_scales:
