@@ -25,6 +25,7 @@ from cmpchat.cuda.kernels.gemm import (
     gemm_grid,
     gemm_q8_launch,
     matmul_kind,
+    tiling_for,
 )
 from cmpchat.cuda.kernels.gemv import repack_q8_0
 from cmpchat.model.gguf_file import ModelFile
@@ -198,5 +199,7 @@ def test_benchmark_shapes_and_op_count() -> None:
 
 def test_default_tiling_is_the_simulators_here_and_every_gpu_default_is_swept() -> None:
     assert default_tiling() == SIMULATOR_TILING
+    assert tiling_for((7, 0)) == SM70_TILING  # the CMP 100-210
+    assert tiling_for((8, 6)) == tiling_for((9, 0)) == GPU_TILING
     assert GPU_TILING in SWEEP_TILINGS and SM70_TILING in SWEEP_TILINGS
     assert SM70_TILING.blocks_per_sm * SM70_TILING.threads // WARP_SIZE == 12  # 168 registers a thread

@@ -185,11 +185,14 @@ SIMULATOR_TILING = GemmTiling(warp_rows=1, warp_tokens=1, stage_blocks=2, prefet
 """32 rows x 32 tokens, one warp: the same body, small enough for one Python thread per CUDA thread."""
 
 
+def tiling_for(compute_capability: tuple[int, int]) -> GemmTiling:
+    """The tiling for a GPU of this compute capability: sm_70's holds the prefetch without spilling."""
+    return SM70_TILING if compute_capability[0] < 8 else GPU_TILING
+
+
 def default_tiling() -> GemmTiling:
     """The tiling for the current GPU (the simulator's when simulating)."""
-    if SIMULATOR:
-        return SIMULATOR_TILING
-    return SM70_TILING if cuda.get_current_device().compute_capability[0] < 8 else GPU_TILING
+    return SIMULATOR_TILING if SIMULATOR else tiling_for(tuple(cuda.get_current_device().compute_capability))
 
 
 def matmul_kind(tokens: int) -> str:
