@@ -80,6 +80,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
     their own)."""
     kernel_shapes = [s for s in shapes if s in ("9B", "27B")]
     gemv = [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *kernel_shapes]
+    gemm = [sys.executable, "-m", "cmpchat.cuda.kernels.gemm_bench", *kernel_shapes, "--tokens", "256", "512", "2048"]
     llama = []
     if LLAMA_ARCHIVE.exists() and mode != "sweep":
         subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
@@ -88,6 +89,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
         commands = {
             "gemv_sweep": [*gemv, "--sweep"],
             "attention_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.attention_bench"],
+            "gemm_sweep": [*gemm, "--sweep"],
         }
     elif mode == "prefill":
         lengths = ["--tokens", *map(str, tokens)] if tokens else []
@@ -95,15 +97,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
                    "--json", str(results / "bench_prefill.json"), *llama]  # fmt: skip
         commands = {
             "prefill": prefill,
-            "gemm": [
-                sys.executable,
-                "-m",
-                "cmpchat.cuda.kernels.gemm_bench",
-                *kernel_shapes,
-                "--tokens",
-                "512",
-                "2048",
-            ],
+            "gemm": gemm,
             "attention_prefill": [
                 sys.executable,
                 "-m",
