@@ -104,7 +104,7 @@ def test_the_gpu_tilings(tiling: GemmTiling, mode: str) -> None:
     rng = np.random.default_rng(tiling.threads + tiling.stage_blocks)
     rows = tiling.tile_rows - 6
     tokens = tiling.tile_tokens - 3
-    cols = 160  # 5 blocks: stages of 1, of 2 and of 4, the last partial, prefetched ones among them
+    cols = 160  # 5 blocks: stages of 2, the last partial, each prefetched while the one before computes
     raw = random_q8(rng, rows, cols)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     check_mode(raw, rows, cols, x, mode, tiling)
