@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch
-from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES
-from cmpchat.cuda.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, gemv_q8_fused_launch
+from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES, SWEEP_SHAPES
+from cmpchat.cuda.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, default_tiling, gemv_q8_fused_launch
 from cmpchat.cuda.kernels.quantize import quantize_launch, rms_norm_quantize_launch
 
 pytestmark = pytest.mark.gpu
@@ -21,14 +21,16 @@ SHAPES = [(model, *shape) for model, shapes in QWEN_GEMV_SHAPES.items() for shap
 def test_fused_equals_the_unfused_launches(
     model: str, name: str, rows: int, cols: int, mode: str, normed: bool
 ) -> None:
-    check_fused_equals_unfused(rows, cols, mode, normed, FusedGemvTiling())
+    check_fused_equals_unfused(rows, cols, mode, normed, default_tiling(cols))
 
 
 @pytest.mark.parametrize("steps", STEP_CHOICES)
-@pytest.mark.parametrize("blocks_per_sm", [2, 8])
-def test_every_tiling_gives_the_same_bits(steps: int, blocks_per_sm: int) -> None:
-    check_fused_equals_unfused(5120, 17408, "accumulate", False, FusedGemvTiling(steps, blocks_per_sm))
-    check_fused_equals_unfused(2 * 17408, 5120, "swiglu", True, FusedGemvTiling(steps, blocks_per_sm))
+@pytest.mark.parametrize("groups, blocks_per_sm", SWEEP_SHAPES)
+def test_every_tiling_gives_the_same_bits(steps: int, groups: int, blocks_per_sm: int) -> None:
+    tiling = FusedGemvTiling(steps, blocks_per_sm, groups)
+    check_fused_equals_unfused(5120, 17408, "accumulate", False, tiling)
+    check_fused_equals_unfused(2 * 17408, 5120, "swiglu", True, tiling)
+    check_fused_equals_unfused(14336, 5120, "store", True, tiling)
 
 
 def check_fused_equals_unfused(rows: int, cols: int, mode: str, normed: bool, tiling: FusedGemvTiling) -> None:

@@ -13,9 +13,12 @@ from test_gemv_sim import assert_close, expected_product, random_q8
 from cmpchat.backends.reference.layers import silu
 from cmpchat.cuda.kernels.gemv import repack_q8_0
 from cmpchat.cuda.kernels.gemv_fused import (
-    DEFAULT_TILING,
+    GROUP_CHOICES,
+    NARROW_TILING,
     STEP_CHOICES,
+    WIDE_TILING,
     FusedGemvTiling,
+    default_tiling,
     gemv_q8_fused_launch,
     shared_bytes,
 )
@@ -30,7 +33,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     return (x * factor * weight).astype(np.float32)
 
 
-def run_fused(raw, rows, cols, x, mode="store", out=None, norm_weight=None, sm_count=1, tiling=DEFAULT_TILING):
+def run_fused(raw, rows, cols, x, mode="store", out=None, norm_weight=None, sm_count=1, tiling=None):
     weight_quants, weight_scales = repack_q8_0(raw, rows, cols)
     if out is None:
         out = np.zeros((1, rows // 2 if mode == "swiglu" else rows), np.float32)
@@ -58,14 +61,19 @@ def test_quantises_then_multiplies_like_the_reference(rows: int, cols: int) -> N
     assert_close(run_fused(raw, rows, cols, x), expected, magnitude)
 
 
+@pytest.mark.parametrize("groups", GROUP_CHOICES)
 @pytest.mark.parametrize("steps", STEP_CHOICES)
-def test_every_compiled_variant_gives_the_same_bits(steps: int) -> None:
+def test_every_compiled_variant_gives_the_same_bits(steps: int, groups: int) -> None:
     rng = np.random.default_rng(6)
-    rows, cols = 9, 1312  # a row tail inside every variant's iteration
+    # A row tail inside every variant's iteration; 13 pairs over 2 blocks: blocks of 1-3 groups of 2 warps
+    # leave some warps without a pair, and 1 group takes pairs in several rounds.
+    rows, cols = 26, 1312
     raw = random_q8(rng, rows, cols)
     x = rng.standard_normal((1, cols)).astype(np.float32)
-    default = run_fused(raw, rows, cols, x)
-    variant = run_fused(raw, rows, cols, x, tiling=FusedGemvTiling(steps=steps, blocks_per_sm=2))
+    weight = (1.0 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+    default = run_fused(raw, rows, cols, x, norm_weight=weight)
+    tiling = FusedGemvTiling(steps=steps, blocks_per_sm=2, groups=groups)
+    variant = run_fused(raw, rows, cols, x, norm_weight=weight, tiling=tiling)
     np.testing.assert_array_equal(variant, default)
 
 
@@ -105,6 +113,11 @@ def test_epilogues_accumulate_and_swiglu() -> None:
     np.testing.assert_allclose(swiglu, silu(gate) * up, rtol=1e-4, atol=1e-4 * magnitude.max())
 
 
+def test_wide_inputs_take_one_large_block_per_sm() -> None:
+    assert default_tiling(4096) == NARROW_TILING and default_tiling(4096 + 32) == WIDE_TILING
+    assert NARROW_TILING.block_threads * NARROW_TILING.blocks_per_sm == WIDE_TILING.block_threads
+
+
 def test_launcher_checks_shapes_and_sizes_shared_memory() -> None:
     rng = np.random.default_rng(5)
     raw = random_q8(rng, 4, 64)
@@ -117,9 +130,10 @@ def test_launcher_checks_shapes_and_sizes_shared_memory() -> None:
             norm_weight=np.zeros(32, np.float32), sm_count=1,
         )  # fmt: skip
     # 64 columns = 16 words, padded to one iteration: 256 words at 2 steps (1 KB of quants + 128 B of
-    # scales), 512 at 4 (the default).
+    # scales), 512 at 4.
     assert shared_bytes(64, steps=2) == 1024 + 128
-    assert shared_bytes(64) == shared_bytes(64, steps=DEFAULT_TILING.steps)
     assert shared_bytes(64, steps=4) == 2048 + 256
     with pytest.raises(ValueError, match="steps must be one of"):
         FusedGemvTiling(steps=3)
+    with pytest.raises(ValueError, match="groups one of"):
+        FusedGemvTiling(groups=4)

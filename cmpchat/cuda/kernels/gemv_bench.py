@@ -24,7 +24,7 @@ from cmpchat.cuda.compile import kernel
 from cmpchat.cuda.graph import LaunchGraph
 from cmpchat.cuda.intrinsics import load_u32x4
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
-from cmpchat.cuda.kernels.gemv_fused import DEFAULT_TILING, STEP_CHOICES, FusedGemvTiling, gemv_q8_fused_launch
+from cmpchat.cuda.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, default_tiling, gemv_q8_fused_launch
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK
 from cmpchat.cuda.launch import Launch
 from cmpchat.model.builder import MODEL_SHAPES
@@ -116,12 +116,12 @@ def gemv_bytes_read(rows: int, cols: int, tokens: int, mode: str) -> int:
 
 def benchmark_gemv(
     rows: int, cols: int, tokens: int = 1, *, mode: str = "store", name: str = "", repeats: int = 30,
-    warmup: int = 3, seed: int = 0, cycle_bytes: int = 1 << 30, tiling: FusedGemvTiling = DEFAULT_TILING,
+    warmup: int = 3, seed: int = 0, cycle_bytes: int = 1 << 30, tiling: FusedGemvTiling | None = None,
 ) -> GemvTiming:  # fmt: skip
     """Time the Q8_0 GEMV a decode step runs for this shape (needs a GPU): at one token the fused kernel,
     normalising its input unless it accumulates (as the step does), above that the batched kernel."""
     problem = _DeviceProblem(rows, cols, tokens, mode, seed, cycle_bytes)
-    seconds = problem.time(tiling, repeats, warmup)
+    seconds = problem.time(tiling or default_tiling(cols), repeats, warmup)
     return GemvTiming(name, rows, cols, tokens, mode, seconds, gemv_bytes_read(rows, cols, tokens, mode))
 
 
@@ -157,7 +157,9 @@ class _DeviceProblem:
         return time_launches(launches, repeats, warmup) / len(launches)
 
 
-SWEEP_BLOCKS_PER_SM = (1, 2, 3, 4, 6, 8)
+SWEEP_SHAPES = ((1, 2), (1, 3), (2, 1), (3, 1))
+"""(groups of 8 warps per block, blocks per SM) the sweep times: every one fits on an SM at once (at 72
+registers a thread, 768 threads do)."""
 
 
 def sweep_tilings(model: str, repeats: int, limit: float) -> None:
@@ -166,29 +168,28 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
     shape = MODEL_SHAPES[model]
     attention = sum(shape.is_attention(i) for i in range(shape.num_layers))
     runs = {"attn": attention, "gdn": shape.num_layers - attention, "ffn": shape.num_layers, "lm": 1}
-    tilings = [FusedGemvTiling(steps, blocks) for steps in STEP_CHOICES for blocks in SWEEP_BLOCKS_PER_SM]
+    tilings = [FusedGemvTiling(steps, blocks, groups) for steps in STEP_CHOICES for groups, blocks in SWEEP_SHAPES]
     per_step = dict.fromkeys(tilings, 0.0)
-    print(f"{model}: one-token tilings (steps, blocks per SM) -> µs per launch (% of the read "
+    default_per_step = 0.0
+    print(f"{model}: one-token tilings (steps s, groups g x blocks per SM) -> µs per launch (% of the read "
           "bandwidth); 'quantised' is the unfused kernel on an already quantised input, the weight stream alone")  # fmt: skip
     for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
         problem = _DeviceProblem(rows, cols, 1, mode, 0, 256 << 20)  # 5x the H200's L2: every launch from DRAM
         nbytes = gemv_bytes_read(rows, cols, 1, mode)
         times = {tiling: problem.time(tiling, repeats, 3) for tiling in tilings}
         quantised = problem.time(None, repeats, 3)
+        default = times[default_tiling(cols)]
         for tiling, seconds in times.items():
             per_step[tiling] += runs[name.split()[0]] * seconds
+        default_per_step += runs[name.split()[0]] * default
         best = min(times, key=times.__getitem__)
-        row = " ".join(f"{_tiling_name(t)}:{times[t] * 1e6:.1f}" for t in tilings)
-        print(f"  {name:24} best {_tiling_name(best)} {nbytes / times[best] / 1e9 / limit:6.1%} "
-              f"(default {nbytes / times[DEFAULT_TILING] / 1e9 / limit:6.1%}, quantised {quantised * 1e6:.1f} µs "
+        row = " ".join(f"{t.label}:{times[t] * 1e6:.1f}" for t in tilings)
+        print(f"  {name:24} best {best.label} {nbytes / times[best] / 1e9 / limit:6.1%} "
+              f"(default {nbytes / default / 1e9 / limit:6.1%}, quantised {quantised * 1e6:.1f} µs "
               f"{nbytes / quantised / 1e9 / limit:6.1%})  {row}")  # fmt: skip
     best = min(per_step, key=per_step.__getitem__)
-    print(f"  whole step: best {best} {per_step[best] * 1e3:.3f} ms of GEMV per token; "
-          f"default {per_step[DEFAULT_TILING] * 1e3:.3f} ms")  # fmt: skip
-
-
-def _tiling_name(tiling: FusedGemvTiling) -> str:
-    return f"{tiling.steps},{tiling.blocks_per_sm}"
+    print(f"  whole step: best {best.label} {per_step[best] * 1e3:.3f} ms of GEMV per token; "
+          f"default {default_per_step * 1e3:.3f} ms")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,14 +14,17 @@ tid, tid + 256, ... and their four values in order, then the warp butterfly, the
 so on a GPU the normalisation factor, the quants and the scales are bit for bit what those kernels give;
 the weight loop and the reduction are gemv.py's, unchanged.
 
-Tiling (`FusedGemvTiling`): a persistent grid of `blocks_per_sm` blocks per SM, 8 warps (256 threads) each.
-A block quantises the whole row once into dynamic shared memory (cols bytes of quants, transposed within
-each 128-word step as gemv.py stages them, then cols/8 bytes of fp32 scales; the row is padded with zeros
-to whole loop iterations), then its warps take row pairs in grid-stride order and stream them as gemv.py's
-T=1 kernel does, `steps` 512-byte steps per row per iteration (1, 2 = gemv.py's loop, and 4, the default, are
-compiled so `gemv_bench --sweep` can measure them). The per-lane sums add the steps in the same order whatever the
-variant, so every variant gives the same bits. Staging and the sum of squares issue four rounds of 16-byte loads
-before using any, so the prologue costs about two L2 round trips, not one per round.
+Tiling (`FusedGemvTiling`): a persistent grid of `blocks_per_sm` blocks per SM, each of `groups` groups of 8
+warps (256 threads; the first group adds the sum of squares). A block quantises the whole row once into
+dynamic shared memory (cols bytes of quants, transposed within each 128-word step as gemv.py stages them,
+then cols/8 bytes of fp32 scales; the row is padded with zeros to whole loop iterations), then its warps
+stream row pairs as gemv.py's T=1 kernel does, `steps` 512-byte steps per row per iteration. The pairs are
+dealt round the blocks, so each SM streams the same share of the matrix give or take a pair per block
+(handing each block consecutive pairs left up to a quarter of the SMs idle at the end of 27B's ffn down).
+The per-lane sums add the steps in the same order whatever the variant, so every variant gives the same bits.
+Staging and the sum of squares issue four rounds of 16-byte loads before using any, so the prologue costs
+about two L2 round trips, not one per round. Inputs wider than 4096 take one 24-warp block per SM, narrower
+ones three 8-warp blocks (`default_tiling`).
 """
 
 from __future__ import annotations
@@ -52,14 +55,18 @@ from cmpchat.cuda.kernels.gemv import (
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD, block_amax, quantize_word
 from cmpchat.cuda.launch import Launch, check_array
 
-# 8 warps on a GPU (the sum of squares' order assumes 256 threads); the simulator runs 2-warp blocks.
-WARPS_PER_BLOCK = 2 if SIMULATOR else 8
-BLOCK_THREADS = WARPS_PER_BLOCK * WARP_SIZE
+NORM_THREADS = 64 if SIMULATOR else 256
+"""Threads that add the sum of squares: rms_norm_quantize's block, so the order, hence the bits, are its own
+(the simulator runs 2-warp groups)."""
+GROUP_WARPS = NORM_THREADS // WARP_SIZE
 LOAD_ROUNDS = 4
 """Rounds of 16-byte loads the prologue issues before using them."""
 LOAD_VALUES = 4 * LOAD_ROUNDS  # a plain constant: Numba needs literal local-array sizes
-STEP_CHOICES = (1, 2, 4)
+STEP_CHOICES = (2, 4)
 """Compiled variants: 512-byte steps per row each loop iteration loads before using any."""
+GROUP_CHOICES = (1, 2, 3)
+"""Compiled variants: blocks of 1-3 groups of 8 warps (2 in the simulator). At 72 registers (sm_70 and sm_90)
+1024 threads would not fit on an SM."""
 MAX_COLUMNS = 40960
 """Widest input: its staged form must fit the 48 KB of dynamic shared memory a launch gets by default."""
 
@@ -82,21 +89,45 @@ class FusedGemvTiling:
     steps: int = 4
     """512-byte steps per row in one loop iteration: 16-byte loads in flight per lane = 2 x steps."""
     blocks_per_sm: int = 3
-    """Blocks per SM of the persistent grid (72 registers for sm_70 at every step count: 3 blocks of 256
-    threads fit, a 4th would wait for a free slot)."""
+    """Blocks per SM of the persistent grid; all of them must fit on an SM at once (72 registers a thread:
+    at most 768 threads), or the last would start late with their share of the rows."""
+    groups: int = 1
+    """Groups of 8 warps per block. Every block stages the whole input, so fewer, larger blocks read it
+    from L2 fewer times, and more threads share the staging."""
 
     def __post_init__(self) -> None:
-        if self.steps not in STEP_CHOICES or self.blocks_per_sm < 1:
-            raise ValueError(f"steps must be one of {STEP_CHOICES} and blocks_per_sm >= 1, got {self}")
+        if self.steps not in STEP_CHOICES or self.groups not in GROUP_CHOICES or self.blocks_per_sm < 1:
+            raise ValueError(
+                f"steps must be one of {STEP_CHOICES}, groups one of {GROUP_CHOICES} and blocks_per_sm >= 1, got {self}"
+            )
+
+    @property
+    def block_threads(self) -> int:
+        return self.groups * NORM_THREADS
+
+    @property
+    def label(self) -> str:
+        return f"{self.steps}s{self.groups}gx{self.blocks_per_sm}"
 
 
-DEFAULT_TILING = FusedGemvTiling()
-"""Measured (`gemv_bench --sweep`, H200, 2026-11-30): 4 steps x 3 blocks per SM is the fastest whole step on
-both the 9B and 27B shapes (-6.5% GEMV time per token against 2 x 3); 4 x 4 ties."""
+NARROW_TILING = FusedGemvTiling(steps=4, blocks_per_sm=3, groups=1)
+WIDE_TILING = FusedGemvTiling(steps=4, blocks_per_sm=1, groups=3)
+WIDE_COLUMNS = 4096
+"""Inputs wider than this take WIDE_TILING. Measured (`gemv_bench --sweep`, H200, 2026-12-01): on the 9B
+shapes' 4096-column inputs three independent 8-warp blocks per SM are 1-4 µs faster per launch; on every
+wider input one 24-warp block per SM, which stages the input once per SM instead of three times, is as fast or
+faster (ffn down 22.6 -> 20.7 µs on 9B, 38.7 -> 34.0 on 27B; the 27B step's GEMVs 9.62 -> 9.25 ms)."""
 
 
-def _make_gemv_q8_fused(steps: int) -> Any:
+def default_tiling(cols: int) -> FusedGemvTiling:
+    """The tiling a launch with `cols` input columns gets unless told otherwise."""
+    return WIDE_TILING if cols > WIDE_COLUMNS else NARROW_TILING
+
+
+def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
     iteration_words = steps * STEP_WORDS
+    block_threads = groups * NORM_THREADS
+    block_warps = groups * GROUP_WARPS
     step_words = 4 * steps  # weight words per row a lane holds per iteration (a plain constant for Numba)
 
     def gemv_q8_fused(wq, ws, x, norm_weight, y, rows, words, mode, eps, use_norm):
@@ -107,14 +138,17 @@ def _make_gemv_q8_fused(steps: int) -> Any:
         stage_s = cuda.shared.array(0, float32)[padded:]  # after the quants (dynamic shared arrays alias)
         values = cuda.local.array(LOAD_VALUES, float32)
         weights = cuda.local.array(LOAD_VALUES, float32)
-        rounds = (padded + BLOCK_THREADS - 1) // BLOCK_THREADS  # the same for every thread
+        rounds = (padded + block_threads - 1) // block_threads  # the same for every thread
 
         factor = float32(1.0)
         if use_norm != 0:
+            # The first NORM_THREADS threads add the squares in rms_norm_quantize's order; the others add
+            # nothing, and the zeros of their warps, added last in order, leave the block's total as it was.
             partial = float32(0.0)
-            for first in range(0, rounds, LOAD_ROUNDS):
+            norm_rounds = (words + NORM_THREADS - 1) // NORM_THREADS if tid < NORM_THREADS else 0
+            for first in range(0, norm_rounds, LOAD_ROUNDS):
                 for u in range(LOAD_ROUNDS):
-                    word = (first + u) * BLOCK_THREADS + tid
+                    word = (first + u) * NORM_THREADS + tid
                     v0 = v1 = v2 = v3 = float32(0.0)
                     if word < words:
                         v0, v1, v2, v3 = load_f32x4(x, uint64(4 * word))
@@ -126,7 +160,7 @@ def _make_gemv_q8_fused(steps: int) -> Any:
 
         for first in range(0, rounds, LOAD_ROUNDS):
             for u in range(LOAD_ROUNDS):
-                word = (first + u) * BLOCK_THREADS + tid
+                word = (first + u) * block_threads + tid
                 v0 = v1 = v2 = v3 = float32(0.0)
                 w0 = w1 = w2 = w3 = float32(0.0)
                 if word < words:
@@ -136,7 +170,7 @@ def _make_gemv_q8_fused(steps: int) -> Any:
                 values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3] = v0, v1, v2, v3
                 weights[4 * u], weights[4 * u + 1], weights[4 * u + 2], weights[4 * u + 3] = w0, w1, w2, w3
             for u in range(LOAD_ROUNDS):
-                word = (first + u) * BLOCK_THREADS + tid
+                word = (first + u) * block_threads + tid
                 v0, v1, v2, v3 = values[4 * u], values[4 * u + 1], values[4 * u + 2], values[4 * u + 3]
                 if use_norm != 0:  # the order of rms_norm_quantize: (x * factor) * weight
                     v0 = v0 * factor * weights[4 * u]
@@ -151,18 +185,22 @@ def _make_gemv_q8_fused(steps: int) -> Any:
                         stage_s[uint64(word >> 3)] = scale
         cuda.syncthreads()
 
-        # Row pairs in grid-stride order; every warp of a block runs the same number of iterations (dead pairs
-        # read a live row and store nothing), as the simulator's block-wide shuffles need.
+        # Row pairs dealt round the blocks first (pair p to block p % grid), so every SM streams as many rows
+        # as any other, give or take one pair per block. A warp past the last pair stops; in the simulator,
+        # whose shuffles are block-wide barriers, it runs on with a live row and stores nothing.
         pairs = rows >> 1 if mode == MODE_SWIGLU else (rows + 1) >> 1
-        all_warps = cuda.gridDim.x * WARPS_PER_BLOCK
+        grid = cuda.gridDim.x
+        all_warps = grid * block_warps
         blocks = words >> 3
         acc = cuda.local.array(2, float32)
         weight_a = cuda.local.array(step_words, uint32)
         weight_b = cuda.local.array(step_words, uint32)
         scale_a = cuda.local.array(steps, float32)
         scale_b = cuda.local.array(steps, float32)
-        for first_pair in range(cuda.blockIdx.x * WARPS_PER_BLOCK, pairs, all_warps):
-            pair = first_pair + (tid >> 5)
+        for first_pair in range(0, pairs, all_warps):
+            pair = first_pair + (tid >> 5) * grid + cuda.blockIdx.x
+            if pair >= pairs and not SIMULATOR:
+                break
             row_a, row_b, out_rows = pair_rows(pair, rows, mode)
             live_a = row_a < out_rows if mode == MODE_SWIGLU else row_a < rows
             quants_a = min(row_a, rows - 1) * words
@@ -215,14 +253,16 @@ def _make_gemv_q8_fused(steps: int) -> Any:
                         else:
                             y[uint64(row)] = total
 
-    gemv_q8_fused.__name__ = gemv_q8_fused.__qualname__ = f"gemv_q8_fused_s{steps}"
+    gemv_q8_fused.__name__ = gemv_q8_fused.__qualname__ = f"gemv_q8_fused_s{steps}g{groups}"
     return kernel(GEMV_FUSED_SIGNATURE)(gemv_q8_fused)
 
 
-GEMV_Q8_FUSED = {steps: _make_gemv_q8_fused(steps) for steps in STEP_CHOICES}
+GEMV_Q8_FUSED = {
+    (steps, groups): _make_gemv_q8_fused(steps, groups) for steps in STEP_CHOICES for groups in GROUP_CHOICES
+}
 
 
-def shared_bytes(cols: int, steps: int = DEFAULT_TILING.steps) -> int:
+def shared_bytes(cols: int, steps: int) -> int:
     """Dynamic shared memory of a launch: the row's quants, padded with zeros to whole loop iterations of the
     variant, and its scales."""
     words = cols // VALUES_PER_WORD
@@ -241,7 +281,7 @@ def gemv_q8_fused_launch(
     norm_weight: Any | None = None,
     eps: float = 0.0,
     sm_count: int,
-    tiling: FusedGemvTiling = DEFAULT_TILING,
+    tiling: FusedGemvTiling | None = None,
 ) -> Launch:
     """y = W x̂ for one fp32 token x [1, cols] (x̂: RMSNorm'd with `norm_weight` when given, then quantised).
 
@@ -261,11 +301,15 @@ def gemv_q8_fused_launch(
         check_aligned(norm_weight, "norm weight")
     for array, name in ((weight_quants, "weight quants"), (x, "x")):
         check_aligned(array, name)
+    if tiling is None:
+        tiling = default_tiling(cols)
+    # Every resident block, each given a share of the pairs: fewer, fuller blocks would leave SMs idle.
     pairs = rows // 2 if mode == "swiglu" else (rows + 1) // 2
-    grid = max(1, min(-(-pairs // WARPS_PER_BLOCK), sm_count * tiling.blocks_per_sm))
+    grid = max(1, min(pairs, sm_count * tiling.blocks_per_sm))
     args = (
         weight_quants.reshape(-1), weight_scales.reshape(-1), x.reshape(-1),
         (x if norm_weight is None else norm_weight).reshape(-1), out.reshape(-1), np.int32(rows),
         np.int32(words), np.int32(code), np.float32(eps), np.int32(norm_weight is not None),
     )  # fmt: skip
-    return Launch(GEMV_Q8_FUSED[tiling.steps], grid, BLOCK_THREADS, args, shared_bytes(cols, tiling.steps))
+    kernel_variant = GEMV_Q8_FUSED[tiling.steps, tiling.groups]
+    return Launch(kernel_variant, grid, tiling.block_threads, args, shared_bytes(cols, tiling.steps))
