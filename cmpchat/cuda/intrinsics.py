@@ -197,9 +197,14 @@ def block_sum_f32(value):
     if thread % WARP_SIZE == 0:
         warp_totals[thread // WARP_SIZE] = total
     cuda.syncthreads()
+    # An unsigned while loop: Numba's signed range and indexing cost ~16 instructions an iteration (64-bit
+    # trip-count bookkeeping, negative-index fix-ups) against 3, in a loop every thread of the block runs.
     result = float32(0.0)
-    for warp in range(cuda.blockDim.x * cuda.blockDim.y // WARP_SIZE):
+    warps = uint32(cuda.blockDim.x * cuda.blockDim.y // WARP_SIZE)
+    warp = uint32(0)
+    while warp < warps:
         result += warp_totals[warp]
+        warp += uint32(1)
     cuda.syncthreads()
     return result
 
