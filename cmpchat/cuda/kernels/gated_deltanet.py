@@ -32,8 +32,9 @@ warp sums.
 One launch was measured and not kept (H200, 2026-12-01, CUDA-graph replays): each recurrence block ran the
 conv of its own q, k and v channels from a shared-memory copy of their history, and the last block of a key
 head to finish, counted with an atomic, wrote the q/k history back. Same bits; no faster at one sequence
-(9B 10.45 against 10.35 µs), 25% slower at 16 and 8% at prompt chunks: the conv's latency lands on the
-recurrence's critical path, where here it overlaps the previous launch's tail, and a graph launch costs ~1 µs.
+(9B 10.45 against 10.35 µs), 25% slower at 16 and 8% at prompt chunks: the conv, the q/k norms and the
+write-back's fence and barriers run in series with the recurrence in every block, and cost more than the
+launch they save (a launch in a graph costs ~1 µs).
 """
 
 from __future__ import annotations
