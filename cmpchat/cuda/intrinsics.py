@@ -8,7 +8,7 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
   goes through shared memory and block-wide barriers, so under the simulator every thread of the block
   must call it together (kernels call the reductions below from uniform control flow).
 - `warp_sum_f32`, `warp_max_f32`: butterfly reductions; every lane gets the result. `block_sum_f32`: the
-  same over a whole block.
+  same over a whole block. `sum_in_order`: a strided fp32 sum in a fixed order (unsigned indices).
 - `unpack_f16x2(word)`: the two fp16 values packed in a uint32 (low half first) as fp32, exactly.
 - `fma_f16x2(a, b, c)`: a × b + c on the two fp16 lanes packed in each uint32, fused, one rounding (HFMA2).
 - `load_shared_f32x4(array, index)`, `store_shared_f32x4(array, index, a, b, c, d)`, `store_f32x4(...)`:
@@ -22,7 +22,7 @@ No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint32
+from numba import cuda, float32, int32, types, uint32, uint64
 from numba.cuda import config
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
@@ -187,6 +187,22 @@ MAX_WARPS = MAX_BLOCK_THREADS // WARP_SIZE
 
 
 @cuda.jit(device=True, inline=True)
+def sum_in_order(values, first, stride, count):
+    """values[first] + values[first + stride] + ... (`count` terms: uint32; `stride`: uint64), in that order.
+
+    An unsigned while loop: Numba's signed range and indexing cost ~16 instructions an iteration (64-bit
+    trip-count bookkeeping, negative-index fix-ups) against 3, in loops every thread of a block runs."""
+    total = float32(0.0)
+    index = uint64(first)
+    i = uint32(0)
+    while i < count:
+        total += values[index]
+        index += stride
+        i += uint32(1)
+    return total
+
+
+@cuda.jit(device=True, inline=True)
 def block_sum_f32(value):
     """Sum over the whole block (1-D or 2-D, a multiple of 32 threads), the same deterministic total in
     every thread: each warp's butterfly sum, then the warps in order. Every thread must call it together;
@@ -197,14 +213,7 @@ def block_sum_f32(value):
     if thread % WARP_SIZE == 0:
         warp_totals[thread // WARP_SIZE] = total
     cuda.syncthreads()
-    # An unsigned while loop: Numba's signed range and indexing cost ~16 instructions an iteration (64-bit
-    # trip-count bookkeeping, negative-index fix-ups) against 3, in a loop every thread of the block runs.
-    result = float32(0.0)
-    warps = uint32(cuda.blockDim.x * cuda.blockDim.y // WARP_SIZE)
-    warp = uint32(0)
-    while warp < warps:
-        result += warp_totals[warp]
-        warp += uint32(1)
+    result = sum_in_order(warp_totals, 0, uint64(1), uint32(cuda.blockDim.x * cuda.blockDim.y // WARP_SIZE))
     cuda.syncthreads()
     return result
 

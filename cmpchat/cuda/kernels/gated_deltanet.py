@@ -47,7 +47,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, block_sum_f32, warp_sum_f32
+from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, block_sum_f32, sum_in_order, warp_sum_f32
 from cmpchat.cuda.kernels.elementwise import sigmoid, silu, softplus
 from cmpchat.cuda.launch import Launch, check_array
 
@@ -124,19 +124,6 @@ def gdn_conv_step(
                 value *= q_scale
         if lane < width:
             mixed[row, channel] = value
-
-
-@cuda.jit(device=True, inline=True)
-def sum_over_groups(partials, column, stride, groups):
-    """partials[column] + partials[column + stride] + ... over the row groups, in group order."""
-    total = _ZERO
-    index = uint64(column)
-    g = uint32(0)
-    while g < groups:
-        total += partials[index]
-        index += stride
-        g += uint32(1)
-    return total
 
 
 def _make_recurrent_step(prompt: bool) -> Any:
@@ -225,7 +212,7 @@ def _make_recurrent_step(prompt: bool) -> Any:
                 partial += state[m] * k_shared[first_row + uint64(m)]
             u_partial[thread] = partial
             cuda.syncthreads()
-            read = sum_over_groups(u_partial, column, row_stride, groups)  # u_j = (S'ᵀk)_j, decayed state
+            read = sum_in_order(u_partial, column, row_stride, groups)  # u_j = (S'ᵀk)_j, decayed state
             delta = beta * (v_shared[column] - read)
 
             partial = _ZERO
@@ -236,7 +223,7 @@ def _make_recurrent_step(prompt: bool) -> Any:
                 partial += state[m] * q_shared[first_row + uint64(m)]
             o_partial[thread] = partial
             cuda.syncthreads()
-            o = sum_over_groups(o_partial, column, row_stride, groups)
+            o = sum_in_order(o_partial, column, row_stride, groups)
 
             # RMSNorm over the columns, which group 0 holds (its warps come first in the block, so this is the
             # order a block-wide sum of group 0's squares and everyone else's zeros would take).
@@ -245,11 +232,7 @@ def _make_recurrent_step(prompt: bool) -> Any:
                 norm_partial[column // WARP_SIZE] = squares
             cuda.syncthreads()
             if group == 0:
-                squares = _ZERO
-                w = uint32(0)
-                while w < uint32(v_dim // WARP_SIZE):
-                    squares += norm_partial[w]
-                    w += uint32(1)
+                squares = sum_in_order(norm_partial, 0, uint64(1), uint32(v_dim // WARP_SIZE))
                 inverse_rms = _ONE / float32(math.sqrt(squares / float32(v_dim) + rms_eps))
                 out[row, head * v_dim + column] = o * inverse_rms * norm_weight[column] * silu(z_shared[column])
 

@@ -108,6 +108,14 @@ def silu_f32(g):
 
 
 @cuda.jit(device=True, inline=True)
+def staged_index(word):
+    """Where word `word` of a staged row lives in shared memory: within each 128-word step, word 4l+c at 32c+l
+    (the four 32-bit shared loads of a lane are then conflict-free)."""
+    offset = word & (STEP_WORDS - 1)
+    return (word & ~(STEP_WORDS - 1)) + (offset >> 2) + ((offset & 3) << 5)
+
+
+@cuda.jit(device=True, inline=True)
 def pair_rows(pair, rows, mode):
     """The two weight rows a warp reads, the output rows they feed, and the output width."""
     if mode == MODE_SWIGLU:
@@ -202,8 +210,7 @@ def _make_gemv_q8(tokens_max: int) -> Any:
                         offset = (g & ((1 << chunk_groups_log2) - 1)) << 2  # word offset within the chunk
                         if g < stage_groups:
                             keep = t < tokens and start + offset < words
-                            # Transposed within each 128-word step: word 4l+c of the step goes to 32c+l.
-                            dst = t * chunk + (offset & ~(STEP_WORDS - 1)) + ((offset & (STEP_WORDS - 1)) >> 2)
+                            dst = t * chunk + staged_index(offset)
                             stage_q[uint64(dst)] = staged_q[4 * n] if keep else uint32(0)
                             stage_q[uint64(dst + 32)] = staged_q[4 * n + 1] if keep else uint32(0)
                             stage_q[uint64(dst + 64)] = staged_q[4 * n + 2] if keep else uint32(0)
@@ -226,8 +233,7 @@ def _make_gemv_q8(tokens_max: int) -> Any:
                     v0 = v1 = v2 = v3 = uint32(0)
                     if t < tokens and start + offset < words:
                         v0, v1, v2, v3 = load_u32x4(xq, uint64(t * words + start + offset))
-                    # Transposed within each 128-word step: word 4l+c of the step goes to 32c+l.
-                    dst = t * chunk + (offset & ~(STEP_WORDS - 1)) + ((offset & (STEP_WORDS - 1)) >> 2)
+                    dst = t * chunk + staged_index(offset)
                     stage_q[uint64(dst)] = v0
                     stage_q[uint64(dst + 32)] = v1
                     stage_q[uint64(dst + 64)] = v2

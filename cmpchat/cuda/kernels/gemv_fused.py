@@ -51,6 +51,7 @@ from cmpchat.cuda.kernels.gemv import (
     output_shape,
     pair_rows,
     silu_f32,
+    staged_index,
 )
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD, block_amax, quantize_word
 from cmpchat.cuda.launch import Launch, check_array
@@ -73,13 +74,6 @@ MAX_COLUMNS = 40960
 GEMV_FUSED_SIGNATURE = (
     "void(uint32[::1], float16[::1], float32[::1], float32[::1], float32[::1], int32, int32, int32, float32, int32)"
 )
-
-
-@cuda.jit(device=True, inline=True)
-def staged_index(word):
-    """Where word `word` of the row lives in shared memory: within each 128-word step, word 4l+c at 32c+l."""
-    offset = word & (STEP_WORDS - 1)
-    return (word & ~(STEP_WORDS - 1)) + (offset >> 2) + ((offset & 3) << 5)
 
 
 @dataclass(frozen=True, slots=True)
