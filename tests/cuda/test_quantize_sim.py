@@ -41,6 +41,34 @@ def test_quantize_is_bit_exact(tokens: int, n: int) -> None:
     np.testing.assert_array_equal(scales, expected_scales)
 
 
+def near_ties(amax: float, blocks: int) -> np.ndarray:
+    """Blocks led by `amax`, the rest values within a few ulp of (k + 0.5) * amax / 127: where x * (1 / scale)
+    and a correctly rounded x / scale can round to different integers."""
+    scale = np.float32(np.float32(amax) / np.float32(127.0))
+    rows = np.empty((blocks, 32), np.float32)
+    ks = np.arange(-127, 127).repeat(7)[: blocks * 31]
+    ulps = np.tile(np.arange(-3, 4), len(ks) // 7 + 1)[: len(ks)]
+    ties = (ks + 0.5) * np.float64(scale)
+    values = ties.astype(np.float32)
+    for _ in range(3):  # step each value by its ulp count
+        values = np.where(ulps > 0, np.nextafter(values, np.float32(np.inf)), values)
+        values = np.where(ulps < 0, np.nextafter(values, np.float32(-np.inf)), values)
+        ulps = ulps - np.sign(ulps)
+    rows[:, 0] = amax
+    rows[:, 1:] = np.clip(values, -amax, amax).reshape(blocks, 31)
+    return rows.reshape(1, -1)
+
+
+@pytest.mark.parametrize("amax", [3.0000002, 0.7131, 127.0, 1e-30])
+def test_quantize_is_bit_exact_next_to_ties(amax: float) -> None:
+    x = near_ties(amax, 56)
+    quants, scales = buffers(1, x.shape[1])
+    quantize_launch(x, quants, scales, threads=THREADS).run()
+    expected_quants, expected_scales = quantize_activations(x)
+    np.testing.assert_array_equal(as_int8(quants), expected_quants)
+    np.testing.assert_array_equal(scales, expected_scales)
+
+
 @pytest.mark.parametrize("tokens,n", [(1, 64), (3, 544)])
 def test_rms_norm_quantize_matches_the_reference(tokens: int, n: int) -> None:
     rng = np.random.default_rng(7)
