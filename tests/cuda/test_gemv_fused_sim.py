@@ -15,6 +15,8 @@ from cmpchat.cuda.kernels.gemv import repack_q8_0
 from cmpchat.cuda.kernels.gemv_fused import (
     GROUP_CHOICES,
     NARROW_TILING,
+    NORM_THREADS,
+    SM_THREADS,
     STEP_CHOICES,
     WIDE_TILING,
     FusedGemvTiling,
@@ -137,3 +139,5 @@ def test_launcher_checks_shapes_and_sizes_shared_memory() -> None:
         FusedGemvTiling(steps=3)
     with pytest.raises(ValueError, match="groups one of"):
         FusedGemvTiling(groups=4)
+    with pytest.raises(ValueError, match="would not all fit"):
+        FusedGemvTiling(blocks_per_sm=SM_THREADS // NORM_THREADS + 1, groups=1)

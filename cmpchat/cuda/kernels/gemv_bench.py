@@ -158,8 +158,8 @@ class _DeviceProblem:
 
 
 SWEEP_SHAPES = ((1, 2), (1, 3), (2, 1), (3, 1))
-"""(groups of 8 warps per block, blocks per SM) the sweep times: every one fits on an SM at once (at 72
-registers a thread, 768 threads do)."""
+"""(groups of 8 warps per block, blocks per SM) the sweep times: every one fits on an SM at once (at most
+`gemv_fused.SM_THREADS` threads)."""
 
 
 def sweep_tilings(model: str, repeats: int, limit: float) -> None:
