@@ -24,7 +24,7 @@ dealt round the blocks, so each SM streams the same share of the matrix give or 
 The per-lane sums add the steps in the same order whatever the variant, so every variant gives the same bits.
 Staging and the sum of squares issue four rounds of 16-byte loads before using any, so the prologue costs
 about two L2 round trips, not one per round. Inputs wider than 4096 take one 24-warp block per SM, narrower
-ones three 8-warp blocks (`default_tiling`).
+ones one 16-warp block (`default_tiling`).
 """
 
 from __future__ import annotations
@@ -110,13 +110,14 @@ class FusedGemvTiling:
         return f"{self.steps}s{self.groups}gx{self.blocks_per_sm}"
 
 
-NARROW_TILING = FusedGemvTiling(steps=4, blocks_per_sm=3, groups=1)
+NARROW_TILING = FusedGemvTiling(steps=4, blocks_per_sm=1, groups=2)
 WIDE_TILING = FusedGemvTiling(steps=4, blocks_per_sm=1, groups=3)
 WIDE_COLUMNS = 4096
-"""Inputs wider than this take WIDE_TILING. Measured (`gemv_bench --sweep`, H200, 2026-12-01): on the 9B
-shapes' 4096-column inputs three independent 8-warp blocks per SM are 1-4 µs faster per launch; on every
-wider input one 24-warp block per SM, which stages the input once per SM instead of three times, is as fast or
-faster (ffn down 22.6 -> 20.7 µs on 9B, 38.7 -> 34.0 on 27B; the 27B step's GEMVs 9.62 -> 9.25 ms)."""
+"""Inputs wider than this take WIDE_TILING. Measured (`gemv_bench --sweep`, H200, 2026-12-01, after the launch
+bounds): on the 9B shapes' 4096-column inputs one 16-warp block per SM is 0.1-0.5 µs faster per launch than
+three 8-warp blocks or one 24-warp block (the 9B step's GEMVs 2.70 -> 2.65 ms); on the 27B's wider inputs one
+24-warp block per SM is as fast or faster on the shapes a step runs most (ffn gate+up 50.5 against 51.1 µs for
+16 warps, ffn down 31.0 against 34.0)."""
 
 
 def default_tiling(cols: int) -> FusedGemvTiling:
