@@ -22,6 +22,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from importlib import metadata
@@ -50,7 +51,23 @@ def environment() -> dict:
     probe = "from numba import cuda; d = cuda.get_current_device(); print(d.name, d.compute_capability)"
     info["numba_device"] = _output([sys.executable, "-c", probe], timeout=120)
     info["commit"] = _output(["git", "-C", str(REPO), "rev-parse", "HEAD"])
+    info["tree"] = content_tree(REPO)
     return info
+
+
+def content_tree(repo: Path) -> str | None:
+    """Git's tree hash of the tracked files as they are on disk: what ran. A copied checkout's HEAD can lag
+    behind its files (the device tool copies the working tree); this equals `git rev-parse COMMIT^{tree}` of
+    the commit whose files these are (`git log --format='%H %T'` finds it), and differs if any was edited."""
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        for command in (["read-tree", "HEAD"], ["add", "--update", "."]):
+            try:
+                subprocess.run(["git", "-C", str(repo), *command], env=env, capture_output=True, check=True, timeout=60)
+            except (OSError, subprocess.SubprocessError):
+                return None
+        tree = _output(["git", "-C", str(repo), "write-tree"], env=env)
+    return tree
 
 
 def gpu_test_files() -> list[str]:
@@ -167,6 +184,7 @@ def format_summary(summary: dict) -> str:
     env = summary["environment"]
     lines.append(f"GPU: {env['nvidia_smi']} | numba sees: {env['numba_device']}")
     lines.append("packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v))
+    lines.append(f"files: tree {env.get('tree')} (the copy's HEAD, which may lag: {env.get('commit')})")
     for name, phase in summary["phases"].items():
         result = phase.get("junit", {})
         counts = ", ".join(f"{k} {result[k]}" for k in ("tests", "failures", "errors", "skipped") if k in result)
@@ -255,9 +273,9 @@ def _installed(name: str) -> bool:
     return True
 
 
-def _output(command: list[str], timeout: int = 30) -> str | None:
+def _output(command: list[str], timeout: int = 30, env: dict | None = None) -> str | None:
     try:
-        finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+        finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"unavailable: {error}"
     text = (finished.stdout or finished.stderr).strip()
