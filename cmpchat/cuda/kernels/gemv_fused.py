@@ -68,10 +68,11 @@ STEP_CHOICES = (2, 4)
 GROUP_CHOICES = (1, 2, 3)
 """Compiled variants: blocks of 1-3 groups of 8 warps (2 in the simulator)."""
 SM_THREADS = 768
-"""Threads of the fused GEMV an SM holds at once: each variant is compiled for blocks of its size, SM_THREADS of
-them per SM (`launch_bounds`), so ptxas may use 80 registers a thread and still fit them all. Told that, it
-issues the weight loads earlier than when left to keep to 56-72 registers (H200: the 27B step's GEMVs
-8.23 -> 8.07 ms, 9B 2.73 -> 2.71 ms); 1024 threads would leave 64, fewer than the loop needs."""
+"""Threads of the fused GEMV an SM holds at most: each variant is compiled (`launch_bounds`) for its block size
+and as many blocks as make SM_THREADS, so ptxas may use as many registers as still fit them all (80 for 256-
+and 768-thread blocks, 107 of 128 for the 512-thread one). Told that, it issues the weight loads earlier
+than when left to keep to 56-72 registers (H200: the 27B step's GEMVs 8.23 -> 8.07 ms, 9B 2.73 -> 2.71 ms);
+1024 threads would leave 64, fewer than the loop needs."""
 MAX_COLUMNS = 40960
 """Widest input: its staged form must fit the 48 KB of dynamic shared memory a launch gets by default."""
 
