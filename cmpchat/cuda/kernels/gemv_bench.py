@@ -179,9 +179,10 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
         times = {tiling: problem.time(tiling, repeats, 3) for tiling in tilings}
         quantised = problem.time(None, repeats, 3)
         default = times[default_tiling(cols)]
+        per_token = runs[name.split()[0]]  # launches of this shape in a step
         for tiling, seconds in times.items():
-            per_step[tiling] += runs[name.split()[0]] * seconds
-        default_per_step += runs[name.split()[0]] * default
+            per_step[tiling] += per_token * seconds
+        default_per_step += per_token * default
         best = min(times, key=times.__getitem__)
         row = " ".join(f"{t.label}:{times[t] * 1e6:.1f}" for t in tilings)
         print(f"  {name:24} best {best.label} {nbytes / times[best] / 1e9 / limit:6.1%} "
