@@ -11,6 +11,7 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
   same over a whole block. `sum_in_order`: a strided fp32 sum in a fixed order (unsigned indices).
 - `unpack_f16x2(word)`: the two fp16 values packed in a uint32 (low half first) as fp32, exactly.
 - `fma_f16x2(a, b, c)`: a × b + c on the two fp16 lanes packed in each uint32, fused, one rounding (HFMA2).
+- `fma_f32(a, b, c)`: a × b + c in fp32 with one rounding (FFMA); the simulator's `cuda.fma` rounds twice.
 - `load_shared_f32x4(array, index)`, `store_shared_f32x4(array, index, a, b, c, d)`, `store_f32x4(...)`:
   16-byte shared-memory loads/stores and global stores of flat fp32 arrays (Numba emits only scalar ones).
 - `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
@@ -21,6 +22,8 @@ No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 from numba import cuda, float32, int32, types, uint32, uint64
 from numba.cuda import config
@@ -28,6 +31,26 @@ from numba.cuda import config
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 WARP_SIZE = 32
 MAX_BLOCK_THREADS = 1024
+
+
+def fma_f32_exact(a: float, b: float, c: float) -> np.float32:
+    """a × b + c rounded once to fp32, ties to even, in exact arithmetic: the simulator's `fma_f32` and the
+    GPU self-test's expected values (Python 3.11/3.12 have no math.fma; no overflow handling)."""
+    value = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    if value == 0:
+        return float32(0.0)
+    magnitude = abs(value)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1  # now 2^exponent <= magnitude < 2^(exponent + 1)
+    exponent = max(exponent, -126)  # subnormals share the smallest normal binade's spacing
+    scaled = magnitude / Fraction(2) ** (exponent - 23)
+    whole = scaled.numerator // scaled.denominator
+    rest = scaled - whole
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and whole % 2 == 1):
+        whole += 1
+    return float32((1 if value > 0 else -1) * whole * 2.0 ** (exponent - 23))
+
 
 if SIMULATOR:
 
@@ -86,6 +109,10 @@ if SIMULATOR:
         a_half, b_half, c_half = (np.array([w], dtype=np.uint32).view(np.float16).astype(np.float64) for w in (a, b, c))
         return uint32((a_half * b_half + c_half).astype(np.float16).view(np.uint32)[0])
 
+    @cuda.jit(device=True)
+    def fma_f32(a, b, c):
+        return fma_f32_exact(a, b, c)
+
 else:
     from llvmlite import ir
     from numba.cuda import cgutils
@@ -117,6 +144,10 @@ else:
     @cuda.jit(device=True, inline=True)
     def shfl_xor_f32(value, lane_mask):
         return cuda.shfl_xor_sync(_FULL_MASK, value, lane_mask)
+
+    @cuda.jit(device=True, inline=True)
+    def fma_f32(a, b, c):
+        return cuda.fma(a, b, c)
 
     @cuda.jit(device=True, inline=True)
     def shfl_xor_i32(value, lane_mask):

@@ -11,7 +11,7 @@ import numpy as np
 from numba import cuda, float32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import dp4a, load_u32x4, shfl_xor_f32, warp_max_f32, warp_sum_f32, warp_sum_i32
+from cmpchat.cuda.intrinsics import dp4a, fma_f32, load_u32x4, shfl_xor_f32, warp_max_f32, warp_sum_f32, warp_sum_i32
 
 
 @kernel("void(int32[::1], int32[::1], int32[::1], int32[::1])")
@@ -94,3 +94,11 @@ def count_launch(counter):
     """counter[0] += 1: a near-empty kernel for launch overhead, whose count proves every launch ran."""
     if cuda.grid(1) == 0:
         counter[0] += 1
+
+
+@kernel("void(float32[::1], float32[::1], float32[::1], float32[::1])")
+def fma_values(a, b, c, out):
+    """out = a * b + c rounded once (`intrinsics.fma_f32_exact`)."""
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = fma_f32(a[i], b[i], c[i])

@@ -43,6 +43,20 @@ def test_dp4a_multiplies_signed_bytes_and_accumulates():
     assert out.copy_to_host()[0] - accumulate[0] == 4 * 128 * 128
 
 
+def test_fma_f32_rounds_once():
+    from cmpchat.cuda.intrinsics import fma_f32_exact
+
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(512).astype(np.float32)
+    b = rng.standard_normal(512).astype(np.float32)
+    c = (-(a.astype(np.float64) * b)).astype(np.float32)  # a*b + c cancels: only a fused product keeps the rest
+    c[:256] = rng.standard_normal(256).astype(np.float32)
+    out = cuda.device_array(512, np.float32)
+    k.fma_values[4, 128](cuda.to_device(a), cuda.to_device(b), cuda.to_device(c), out)
+    expected = np.array([fma_f32_exact(x, y, z) for x, y, z in zip(a, b, c)], np.float32)
+    np.testing.assert_array_equal(out.copy_to_host(), expected)
+
+
 def test_warp_shuffles_reduce_and_exchange_within_each_warp():
     x = np.random.default_rng(1).standard_normal(256).astype(np.float32)
     sums, maxes, partners = (cuda.device_array(256, np.float32) for _ in range(3))

@@ -101,3 +101,24 @@ def test_unpack_f16x2_gives_both_halves_exactly():
     run[1, 4](words, low, high)
     np.testing.assert_array_equal(low, halves[0::2].astype(np.float32))
     np.testing.assert_array_equal(high, halves[1::2].astype(np.float32))
+
+
+def test_fma_f32_rounds_once():
+    from cmpchat.cuda.intrinsics import fma_f32
+
+    @cuda.jit
+    def run(a, b, c, out):
+        i = cuda.grid(1)
+        out[i] = fma_f32(a[i], b[i], c[i])
+
+    f32 = np.float32
+    near_one = f32(1 + 2.0**-12)
+    a = np.array([near_one, 2.0**-100, 3.0, -near_one], np.float32)
+    b = np.array([near_one, 2.0**-40, 1 / 3, near_one], np.float32)
+    c = np.array([-(1 + 2.0**-11), 0.0, -1.0, 1 + 2.0**-11], np.float32)
+    out = np.zeros(4, np.float32)
+    run[1, 4](a, b, c, out)
+    # (1 + 2^-12)^2 - (1 + 2^-11) = 2^-24 exactly, which a rounded product would lose; a subnormal product;
+    # 3 * fl(1/3) - 1, exact; the first case negated.
+    expected = np.array([2.0**-24, 2.0**-140, float(f32(3.0) * np.float64(f32(1 / 3)) - 1.0), -(2.0**-24)], np.float32)
+    np.testing.assert_array_equal(out, expected)

@@ -59,7 +59,7 @@ def near_ties(amax: float, blocks: int) -> np.ndarray:
     return rows.reshape(1, -1)
 
 
-@pytest.mark.parametrize("amax", [3.0000002, 0.7131, 127.0, 1e-30])
+@pytest.mark.parametrize("amax", [3.0000002, 0.7131, 127.0, 1e-20, 1e-30])
 def test_quantize_is_bit_exact_next_to_ties(amax: float) -> None:
     x = near_ties(amax, 56)
     quants, scales = buffers(1, x.shape[1])
