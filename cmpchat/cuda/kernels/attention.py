@@ -20,7 +20,7 @@ four full 128-byte lines: reads are fully coalesced whatever the page size. Head
 decode read the same 512-byte runs and only scatter each token's write over Hkv places. page_tokens must be
 a multiple of the kernel's tile (`DecodeAttentionConfig.tile_tokens`: 16 for hd 256 by default).
 
-Tiling (`attention_partial`, one block of `warps` warps per (split, KV head, row)):
+Tiling (`attention_partial`, one block of `warps` warps per (KV head, split, row), in that grid order):
 - The block's G = H/Hkv query heads share every K/V load (GQA). A lane owns one 16-byte chunk (8 halves) of
   a row: hd/8 lanes read one row, a warp reads 32/(hd/8) rows side by side (1 for hd 256) and `unroll` such
   steps at once, K and V loads issued together (hd 256, unroll 4: 128 bytes in flight per lane).
@@ -103,7 +103,7 @@ def _partial_kernel(group: int, head_dim: int, warps: int, unroll: int) -> Any:
     def attention_partial(
         q, positions, page_table, k_words, v_words, num_kv_heads, page_tokens, min_split_tokens, partial_acc, partial_ml
     ):
-        split, kv_head, row = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        kv_head, split, row = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         thread = cuda.threadIdx.x
         lane, warp = thread % WARP_SIZE, thread // WARP_SIZE
         slot, chunk = lane // lanes_per_row, lane % lanes_per_row
@@ -387,7 +387,7 @@ def decode_attention(
     sizes = (np.int32(num_kv_heads), np.int32(page_tokens), np.int32(min_split))
     partial = Launch(
         _partial_kernel(group, head_dim, config.warps, config.unroll),
-        (config.num_splits, num_kv_heads, batch),
+        (num_kv_heads, config.num_splits, batch),  # live splits first: at short contexts they start in the first wave
         config.warps * WARP_SIZE,
         (q, decode_positions, page_table, _words(k_cache), _words(v_cache), *sizes, partial_acc, partial_ml),
     )
