@@ -6,7 +6,8 @@ For G = 4 (0.8B-9B: 16 query heads over 4 KV heads) and G = 6 (27B: 24 over 4), 
 it times the split-K partial kernel of each tiling (split count, warps, unroll) with
 `benchmark_decode_attention` and prints the K/V bytes it reads per second beside the device-to-device copy
 bandwidth measured in the same run, then the fastest tiling over the contexts, so `DecodeAttentionConfig`'s
-defaults can be set by measurement (at 32K tokens the partial kernel reads ~15% of the bandwidth today).
+defaults can be set by measurement (at 32K tokens the partial kernel reads 30% (G=6) to 45% (G=4) of
+the H200's bandwidth, 2026-12-01).
 """
 
 from __future__ import annotations
