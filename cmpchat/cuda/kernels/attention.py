@@ -31,7 +31,7 @@ Tiling (`attention_partial`, one block of `warps` warps per (KV head, split, row
   block writes one unnormalised partial (acc, max, sum) per query head.
 - Splits: each row's length is cut into `num_splits` pieces (at least `min_split_tokens`, whole tiles), so
   short rows use few blocks and long ones the whole GPU. The split count is fixed when a graph is captured;
-  the piece size follows the length read on the device. `splits_for` sizes it from the SM count.
+  the piece size follows the length read on the device. `splits_for` sizes it from the SM count and G.
 Bytes: per token and KV head 2*hd*2 bytes of cache; partials add G*(hd+2)*4 bytes per block, written and
 read back (see `min_split_tokens`).
 
@@ -312,6 +312,13 @@ def merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active):
 # --- launchers -------------------------------------------------------------------------------------------
 
 
+SPLIT_BLOCKS_PER_SM = {4: 4, 6: 2}
+"""Blocks per SM the split count aims at, by G: about as many as fit on an SM at once (3 of G=4's 168-register
+blocks, 2 of G=6's 211), so long rows run in one wave. H200, 2026-12-01, partial + combine at one sequence,
+against the 8 of before: G=4 equal up to 4K tokens, 51.5 -> 42.1 µs at 16K and 75.1 -> 65.5 at 32K; G=6 equal
+up to 1K, 33.6 -> 25.6 at 4K, 74.5 -> 62.6 at 16K, 110.5 -> 107.5 at 32K. Other G (no released model): 4."""
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeAttentionConfig:
     """How decode attention is cut up; fixed for a captured graph (the lengths are not)."""
@@ -337,8 +344,13 @@ class DecodeAttentionConfig:
         return self.warps * (WARP_SIZE // (head_dim // 8)) * self.unroll
 
     @classmethod
-    def splits_for(cls, batch: int, num_kv_heads: int, sm_count: int, blocks_per_sm: int = 8) -> DecodeAttentionConfig:
-        """Enough splits that a batch of long rows gives every SM `blocks_per_sm` blocks."""
+    def splits_for(
+        cls, batch: int, num_kv_heads: int, sm_count: int, group: int, blocks_per_sm: int | None = None
+    ) -> DecodeAttentionConfig:
+        """Enough splits that a batch of long rows gives every SM `blocks_per_sm` blocks (default: as measured
+        best for G = `group` query heads per KV head, `SPLIT_BLOCKS_PER_SM`)."""
+        if blocks_per_sm is None:
+            blocks_per_sm = SPLIT_BLOCKS_PER_SM.get(group, 4)
         wanted = math.ceil(sm_count * blocks_per_sm / (batch * num_kv_heads))
         return cls(num_splits=max(1, min(MAX_SPLITS, wanted)))
 
@@ -456,7 +468,9 @@ def benchmark_decode_attention(
     to compare with (DESIGN.md: report ratios to limits measured in the same run).
     """
     device = cuda.get_current_device()
-    config = config or DecodeAttentionConfig.splits_for(batch, num_kv_heads, device.MULTIPROCESSOR_COUNT)
+    config = config or DecodeAttentionConfig.splits_for(
+        batch, num_kv_heads, device.MULTIPROCESSOR_COUNT, num_heads // num_kv_heads
+    )
     rng = np.random.default_rng(seed)
     pages_per_row = -(-context // page_tokens)
     shape = (batch * pages_per_row, page_tokens, num_kv_heads, head_dim)

@@ -22,7 +22,7 @@ from cmpchat.cuda.kernels.attention import DecodeAttentionConfig, benchmark_deco
 LAYOUTS = {"9B (G=4)": (16, 4), "27B (G=6)": (24, 4)}
 WARPS = (2, 4, 8)
 UNROLLS = (2, 4, 8)
-BLOCKS_PER_SM = (4, 8, 16)
+BLOCKS_PER_SM = (2, 4, 8)
 """Split counts are sized to give each SM this many blocks (`DecodeAttentionConfig.splits_for`)."""
 
 
@@ -33,12 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
     for layout, (heads, kv_heads) in LAYOUTS.items():
-        default = DecodeAttentionConfig.splits_for(1, kv_heads, sm_count)
+        default = DecodeAttentionConfig.splits_for(1, kv_heads, sm_count, heads // kv_heads)
         totals: dict[DecodeAttentionConfig, float] = {}
         for blocks in BLOCKS_PER_SM:
             for warps in WARPS:
                 for unroll in UNROLLS:
-                    config = replace(DecodeAttentionConfig.splits_for(1, kv_heads, sm_count, blocks), warps=warps,
+                    config = replace(DecodeAttentionConfig.splits_for(1, kv_heads, sm_count, heads // kv_heads, blocks), warps=warps,
                                      unroll=unroll)  # fmt: skip
                     cells = []
                     for context in args.contexts:
