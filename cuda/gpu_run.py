@@ -105,6 +105,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
     if mode == "sweep":
         commands = {
             "gemv_sweep": [*gemv, "--sweep"],
+            "gemv_fixed_costs": [*gemv, "--fixed-costs"],
             "attention_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.attention_bench"],
             "gemm_sweep": [*gemm, "--sweep"],
         }

@@ -8,7 +8,7 @@
 #   bench:           the self-test, then the benchmarks only (add --shapes 9B 27B ... to choose)
 #   prefill:         the self-test, then prompt tok/s (cmpchat bench prefill, with llama.cpp when carried) and the
 #                    prefill kernels' micro-benchmarks (DP4A GEMM, prefill attention, chunked Gated DeltaNet)
-#   sweep:           the self-test, then the tuning sweeps (GEMV tilings, decode-attention tilings, GEMM tilings)
+#   sweep:           the self-test, then the tuning sweeps (GEMV tilings and fixed costs, decode-attention tilings, GEMM tilings)
 #
 # Expects the repository as working directory's parent of cuda/ and, where packages are missing (the
 # device tool's H200 machine), their wheels in .whl/ (cuda/fetch_wheels.sh fetches them; name ".whl" in the

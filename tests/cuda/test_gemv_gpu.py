@@ -81,3 +81,15 @@ def test_benchmark_reports_bandwidth() -> None:
             print(f"{model} {name:24} {timing.seconds * 1e6:8.1f} µs {timing.gigabytes_per_second:7.0f} GB/s "
                   f"{timing.gigabytes_per_second / limit:6.1%} of {limit:.0f} GB/s")  # fmt: skip
             assert timing.gigabytes_per_second > 0
+
+
+def test_fixed_costs_names_every_projection(capsys: pytest.CaptureFixture[str]) -> None:
+    """`gemv_bench --fixed-costs` runs and reports each 9B projection with positive times."""
+    from cmpchat.cuda.kernels.gemv_bench import main
+
+    main(["9B", "--fixed-costs", "--repeats", "3"])
+    printed = capsys.readouterr().out
+    for name, *_ in QWEN_GEMV_SHAPES["9B"]:
+        line = next(line for line in printed.splitlines() if line.strip().startswith(name))
+        figures = [float(word) for word in line.split() if word.replace(".", "", 1).replace("-", "", 1).isdigit()]
+        assert figures[0] > 0 and figures[3] > 0 and figures[4] > 0  # fused, one pair, unfused

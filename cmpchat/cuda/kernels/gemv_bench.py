@@ -4,7 +4,10 @@
 launch and the bytes it must read divided by that time, next to the streaming-read bandwidth measured in
 the same run (`throughput_probes.streaming_read_bandwidth`, as `cmpchat doctor`), so the ratio carries
 over from the H200 to the CMP. `--sweep` times every one-token tiling (`FusedGemvTiling`) on every shape
-and names the fastest for a whole decode step: how the default is chosen.
+and names the fastest for a whole decode step: how the default is chosen. `--fixed-costs` shows what a
+one-token launch pays beside streaming its weight: an empty launch, the launch's excess over its weight's
+streaming time at the read bandwidth, the same kernel on a single row pair (launch, prologue and one pair's
+loop, nothing to overlap them), and the unfused kernel on an already-quantised input (no prologue).
 
 Timing: the launches are captured as a CUDA graph and CUDA events time back-to-back replays, so neither
 Numba's launch path (tens of µs per launch, longer than a small GEMV runs) nor L2 hits (each weight is
@@ -193,12 +196,39 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
           f"default {default_per_step * 1e3:.3f} ms")  # fmt: skip
 
 
+@kernel("void(float32[::1])")
+def empty_kernel(sink):
+    """Does nothing (the store never happens): what a launch costs by itself."""
+    if cuda.threadIdx.x == 0x7FFFFFFF:
+        sink[0] = 1.0
+
+
+def fixed_costs(model: str, repeats: int, limit: float) -> None:
+    """Print, per one-token projection of `model`, where a launch's time goes beside its streaming time."""
+    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    sink = cuda.device_array(1, np.float32)
+    empty = time_launches([Launch(empty_kernel, sm_count, 256, (sink,)) for _ in range(20)], repeats, 3) / 20
+    print(f"{model}: an empty launch takes {empty * 1e6:.2f} µs; per projection, µs per launch: the fused launch, "
+          "its weight streamed at the read bandwidth, the excess, one row pair alone, the unfused kernel on a "
+          "quantised input")  # fmt: skip
+    for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
+        tiling = default_tiling(cols)
+        problem = _DeviceProblem(rows, cols, 1, mode, 0, 256 << 20)
+        full, unfused = problem.time(tiling, repeats, 3), problem.time(None, repeats, 3)
+        del problem
+        one_pair = _DeviceProblem(4 if mode == "swiglu" else 2, cols, 1, mode, 0, 16 << 20).time(tiling, repeats, 3)
+        streaming = gemv_bytes_read(rows, cols, 1, mode) / (limit * 1e9)
+        print(f"  {name:24} fused {full * 1e6:7.2f}  streaming {streaming * 1e6:7.2f}  excess "
+              f"{(full - streaming) * 1e6:5.2f}  one pair {one_pair * 1e6:6.2f}  unfused {unfused * 1e6:7.2f}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(QWEN_GEMV_SHAPES), choices=list(QWEN_GEMV_SHAPES))
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="time every one-token tiling instead")
+    parser.add_argument("--fixed-costs", action="store_true", help="show what a one-token launch pays beside streaming")
     args = parser.parse_args(argv)
     from cmpchat.cuda.kernels.throughput_probes import streaming_read_bandwidth  # (it imports this module)
 
@@ -207,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         for model in args.models:
             sweep_tilings(model, args.repeats, limit)
+        return
+    if args.fixed_costs:
+        for model in args.models:
+            fixed_costs(model, args.repeats, limit)
         return
     print(f"{'model':5} {'shape':24} {'rows':>7} {'cols':>6} {'T':>3} {'mode':10} {'µs':>9} {'GB/s':>7} {'of read':>8}")
     for model in args.models:
