@@ -240,7 +240,7 @@ COMBINE_THREADS = COMBINE_WARPS * WARP_SIZE
 def attention_combine(partial_acc, partial_ml, qkv, positions, capacity, tile, min_split_tokens, out):
     """out[row, head, 32 dims] = the splits' partials merged (weights exp(m_s - max)), normalised, times
     sigmoid(gate). One block per (head, row, 32 dims), its warps each taking every COMBINE_WARPS-th split: one
-    thread per dim looping over all 264 splits made this 30-90 µs a layer at 4K-32K tokens (H200)."""
+    thread per dim looping over all the splits (264 then) made this 30-90 µs a layer at 4K-32K tokens (H200)."""
     head, row = cuda.blockIdx.x, cuda.blockIdx.y
     thread = cuda.threadIdx.x
     lane, warp = thread % WARP_SIZE, thread // WARP_SIZE
@@ -255,7 +255,7 @@ def attention_combine(partial_acc, partial_ml, qkv, positions, capacity, tile, m
     per_split = split_tokens(length, partial_acc.shape[2], min_split_tokens, tile)
     active = (length + per_split - 1) // per_split  # the splits the partial kernel wrote
 
-    # Every warp finds the max and the normaliser itself (warp sums, no barrier: a few µs less at short
+    # Every warp finds the max and the normaliser itself (warp sums, no barrier: about 1 µs less at short
     # contexts than block-wide reductions), then sums every COMBINE_WARPS-th split of its 32 dims.
     top = _NEG
     for s in range(lane, active, WARP_SIZE):
@@ -313,10 +313,12 @@ def merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active):
 
 
 SPLIT_BLOCKS_PER_SM = {4: 4, 6: 2}
-"""Blocks per SM the split count aims at, by G: about as many as fit on an SM at once (3 of G=4's 168-register
-blocks, 2 of G=6's 211), so long rows run in one wave. H200, 2026-12-01, partial + combine at one sequence,
-against the 8 of before: G=4 equal up to 4K tokens, 51.5 -> 42.1 µs at 16K and 75.1 -> 65.5 at 32K; G=6 equal
-up to 1K, 33.6 -> 25.6 at 4K, 74.5 -> 62.6 at 16K, 110.5 -> 107.5 at 32K. Other G (no released model): 4."""
+"""Blocks per SM the split count aims at, by G: no more than fit on an SM at once, so long rows run in one wave
+(H200: 4 of G=4's 128-register blocks, 3 of G=6's 168; the CMP's sm_70: 3 and 2 of 156 and 211). Measured on
+the H200, 2026-12-01, partial + combine at one sequence, against the 8 of before: G=4 equal up to 4K tokens,
+51.5 -> 42.1 µs at 16K and 75.1 -> 65.5 at 32K; G=6 (2 beat 4) equal up to 1K, 33.6 -> 25.6 at 4K, 74.5 -> 62.6
+at 16K, 110.5 -> 107.5 at 32K. On sm_70 G=4's 4 are 1 1/3 waves: not yet measured on a CMP. Other G (no
+released model): 4."""
 
 
 @dataclass(frozen=True, slots=True)
