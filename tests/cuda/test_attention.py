@@ -214,10 +214,10 @@ def test_launcher_rejects_bad_arguments():
 
 
 def test_splits_fill_the_gpu():
-    assert DecodeAttentionConfig.splits_for(1, 4, 68, group=4).num_splits == 68  # 4 blocks per SM at G=4
-    assert DecodeAttentionConfig.splits_for(1, 4, 132, group=6).num_splits == 66  # 2 at G=6
-    assert DecodeAttentionConfig.splits_for(16, 4, 132, group=4, blocks_per_sm=8).num_splits == 17
-    assert DecodeAttentionConfig.splits_for(1, 1, 100_000, group=4).num_splits == 1024
+    assert DecodeAttentionConfig.splits_for(1, 16, 4, 68).num_splits == 68  # 4 blocks per SM at G=4
+    assert DecodeAttentionConfig.splits_for(1, 24, 4, 132).num_splits == 66  # 2 at G=6
+    assert DecodeAttentionConfig.splits_for(16, 16, 4, 132, blocks_per_sm=8).num_splits == 17
+    assert DecodeAttentionConfig.splits_for(1, 4, 1, 100_000).num_splits == 1024
 
 
 @pytest.mark.gpu
@@ -227,7 +227,7 @@ def test_contexts_1_1000_32768_on_gpu(num_heads):
     thw = np.array([[0, 0, 0], [1200, 37, 55], [32767, 32767, 32767]])  # row 1 is an image token
     case = DecodeCase(cfg, [0, 999, 32767], page_tokens=256, seed=4, thw=thw)
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    check_step(case, DecodeAttentionConfig.splits_for(3, 4, sms, num_heads // 4))
+    check_step(case, DecodeAttentionConfig.splits_for(3, num_heads, 4, sms))
 
 
 @pytest.mark.gpu
@@ -237,7 +237,7 @@ def test_full_batch_per_slot_layout_on_gpu():
     history = list(np.random.default_rng(5).integers(0, 4095, 16))
     history[3] = -1
     case = DecodeCase(cfg, history, page_tokens=4096, seed=5)
-    check_step(case, DecodeAttentionConfig.splits_for(16, 4, cuda.get_current_device().MULTIPROCESSOR_COUNT, 6))
+    check_step(case, DecodeAttentionConfig.splits_for(16, 24, 4, cuda.get_current_device().MULTIPROCESSOR_COUNT))
 
 
 @pytest.mark.gpu

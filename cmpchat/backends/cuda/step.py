@@ -224,9 +224,7 @@ class AttentionSplits:
 
     @classmethod
     def allocate(cls, model: ModelConfig, rows: int, sm_count: int) -> AttentionSplits:
-        config = DecodeAttentionConfig.splits_for(
-            rows, model.num_kv_heads, sm_count, model.num_heads // model.num_kv_heads
-        )
+        config = DecodeAttentionConfig.splits_for(rows, model.num_heads, model.num_kv_heads, sm_count)
         acc_shape, ml_shape = partial_buffer_shapes(rows, model.num_heads, model.head_dim, config)
         return cls(config, zeros(acc_shape), zeros(ml_shape))
 

@@ -347,12 +347,12 @@ class DecodeAttentionConfig:
 
     @classmethod
     def splits_for(
-        cls, batch: int, num_kv_heads: int, sm_count: int, group: int, blocks_per_sm: int | None = None
+        cls, batch: int, num_heads: int, num_kv_heads: int, sm_count: int, blocks_per_sm: int | None = None
     ) -> DecodeAttentionConfig:
         """Enough splits that a batch of long rows gives every SM `blocks_per_sm` blocks (default: as measured
-        best for G = `group` query heads per KV head, `SPLIT_BLOCKS_PER_SM`)."""
+        best for G = num_heads / num_kv_heads, `SPLIT_BLOCKS_PER_SM`)."""
         if blocks_per_sm is None:
-            blocks_per_sm = SPLIT_BLOCKS_PER_SM.get(group, 4)
+            blocks_per_sm = SPLIT_BLOCKS_PER_SM.get(num_heads // num_kv_heads, 4)
         wanted = math.ceil(sm_count * blocks_per_sm / (batch * num_kv_heads))
         return cls(num_splits=max(1, min(MAX_SPLITS, wanted)))
 
@@ -470,9 +470,7 @@ def benchmark_decode_attention(
     to compare with (DESIGN.md: report ratios to limits measured in the same run).
     """
     device = cuda.get_current_device()
-    config = config or DecodeAttentionConfig.splits_for(
-        batch, num_kv_heads, device.MULTIPROCESSOR_COUNT, num_heads // num_kv_heads
-    )
+    config = config or DecodeAttentionConfig.splits_for(batch, num_heads, num_kv_heads, device.MULTIPROCESSOR_COUNT)
     rng = np.random.default_rng(seed)
     pages_per_row = -(-context // page_tokens)
     shape = (batch * pages_per_row, page_tokens, num_kv_heads, head_dim)

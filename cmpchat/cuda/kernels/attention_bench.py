@@ -33,12 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
     for layout, (heads, kv_heads) in LAYOUTS.items():
-        default = DecodeAttentionConfig.splits_for(1, kv_heads, sm_count, heads // kv_heads)
+        default = DecodeAttentionConfig.splits_for(1, heads, kv_heads, sm_count)
         totals: dict[DecodeAttentionConfig, float] = {}
         for blocks in BLOCKS_PER_SM:
             for warps in WARPS:
                 for unroll in UNROLLS:
-                    config = replace(DecodeAttentionConfig.splits_for(1, kv_heads, sm_count, heads // kv_heads, blocks), warps=warps,
+                    config = replace(DecodeAttentionConfig.splits_for(1, heads, kv_heads, sm_count, blocks), warps=warps,
                                      unroll=unroll)  # fmt: skip
                     cells = []
                     for context in args.contexts:

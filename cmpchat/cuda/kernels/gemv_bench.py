@@ -30,6 +30,7 @@ from cmpchat.cuda.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
 from cmpchat.cuda.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, default_tiling, gemv_q8_fused_launch
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK
 from cmpchat.cuda.launch import Launch
+from cmpchat.cuda.selftest_kernels import count_launch
 from cmpchat.model.builder import MODEL_SHAPES
 
 # (name, rows, cols, mode) of every Q8_0 projection a decode step runs, with the fused layouts the
@@ -196,18 +197,11 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
           f"default {default_per_step * 1e3:.3f} ms")  # fmt: skip
 
 
-@kernel("void(float32[::1])")
-def empty_kernel(sink):
-    """Does nothing (the store never happens): what a launch costs by itself."""
-    if cuda.threadIdx.x == 0x7FFFFFFF:
-        sink[0] = 1.0
-
-
 def fixed_costs(model: str, repeats: int, limit: float) -> None:
     """Print, per one-token projection of `model`, where a launch's time goes beside its streaming time."""
     sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    sink = cuda.device_array(1, np.float32)
-    empty = time_launches([Launch(empty_kernel, sm_count, 256, (sink,)) for _ in range(20)], repeats, 3) / 20
+    counter = cuda.to_device(np.zeros(1, np.int32))
+    empty = time_launches([Launch(count_launch, sm_count, 256, (counter,)) for _ in range(20)], repeats, 3) / 20
     print(f"{model}: an empty launch takes {empty * 1e6:.2f} µs; per projection, µs per launch: the fused launch, "
           "its weight streamed at the read bandwidth, the excess, one row pair alone, the unfused kernel on a "
           "quantised input")  # fmt: skip
