@@ -16,6 +16,7 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
   16-byte shared-memory loads/stores and global stores of flat fp32 arrays (Numba emits only scalar ones).
 - `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
   read-only path, for streaming weights; `load_f32x4` the same for float32 arrays (activations).
+- `wait_for_prior_grids()`, `allow_dependent_grids()`: programmatic dependent launch on sm_90+ (see below).
 
 No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
 """
@@ -367,3 +368,85 @@ else:
         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "store_shared_f32x4", _shared_address, "r"
     )
     store_f32x4 = _store_x4("st.global.v4.f32 [$0], {$1, $2, $3, $4};", "store_f32x4", _global_address, "l")
+
+
+# -- Grid dependency control (programmatic dependent launch, sm_90+) -------------------------------------
+# A kernel launched "early" (`compile.kernel(early_launch=True)`, `raw_launch`) may start while the launch
+# before it still runs: it must call `wait_for_prior_grids()` before it reads memory an earlier launch writes
+# and before it writes anything, and may do independent work first (address arithmetic, prefetching weights).
+# `allow_dependent_grids()` lets the launch after it start early in turn, once every block has called it.
+# Both compile to nothing below sm_90 (NVVM's __CUDA_ARCH reflection, folded before PTX is emitted), where
+# every launch waits for its predecessor to finish as usual; on sm_90 they are no-ops for ordinary launches.
+
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def wait_for_prior_grids():
+        pass
+
+    @cuda.jit(device=True)
+    def allow_dependent_grids():
+        pass
+
+    @cuda.jit(device=True)
+    def prefetch_l2(array, index):
+        pass
+
+else:
+    from llvmlite import ir
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    GRID_DEPENDENCY_ARCH = 900
+    """__CUDA_ARCH from which griddepcontrol exists (compute capability 9.0)."""
+
+    def _arch_at_least(builder: ir.IRBuilder, arch: int) -> ir.Value:
+        """An i1: whether the code is being compiled for __CUDA_ARCH >= arch (a constant once NVVM reflects)."""
+        module = builder.module
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        name = "__cmpchat_cuda_arch_key"
+        key = module.globals.get(name)
+        if key is None:
+            text = bytearray(b"__CUDA_ARCH\x00")
+            key = ir.GlobalVariable(module, ir.ArrayType(i8, len(text)), name=name)
+            key.global_constant = True
+            key.linkage = "private"
+            key.initializer = ir.Constant(key.type.pointee, text)
+        reflect = cgutils.get_or_insert_function(module, ir.FunctionType(i32, [i8.as_pointer()]), "__nvvm_reflect")
+        value = builder.call(reflect, [builder.bitcast(key, i8.as_pointer())])
+        return builder.icmp_signed(">=", value, ir.Constant(i32, arch))
+
+    def _grid_dependency_control(action: str) -> object:
+        """An intrinsic emitting `griddepcontrol.<action>` on sm_90+ and nothing elsewhere. Volatile and clobbering
+        memory, so NVVM keeps every load and store on its side."""
+
+        def control(typingctx):
+            def codegen(context, builder, sig, args):
+                with builder.if_then(_arch_at_least(builder, GRID_DEPENDENCY_ARCH)):
+                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f"griddepcontrol.{action};",
+                                       "~{memory}", side_effect=True)  # fmt: skip
+                    builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.none(), codegen
+
+        control.__name__ = control.__qualname__ = f"griddepcontrol_{action}"
+        return intrinsic(control)
+
+    wait_for_prior_grids = _grid_dependency_control("wait")
+    allow_dependent_grids = _grid_dependency_control("launch_dependents")
+
+    @intrinsic
+    def prefetch_l2(typingctx, array, index):
+        if not (isinstance(array, types.Array) and isinstance(index, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            array_struct = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
+            pointer = builder.gep(array_struct.data, [args[1]])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [pointer.type]), "prefetch.global.L2 [$0];", "l",
+                               side_effect=True)  # fmt: skip
+            builder.call(asm, [pointer])
+            return context.get_dummy_value()
+
+        return types.none(array, index), codegen

@@ -9,7 +9,10 @@ For each kernel signature in `cmpchat.cuda.compile.KERNELS` (after importing eve
    (only the kernels named in `TENSOR_CORE_PROBE_KERNELS` are exempt);
 3. checks the kernel's PTX parameter list against the raw launcher's packing (`kernel_args`);
 4. assembles it with the `ptxas` of the `nvidia-cuda-nvcc-cu12` wheel (`-arch=sm_70 -v`) and prints
-   registers, spills, stack and static shared memory per kernel.
+   registers, spills, stack and static shared memory per kernel;
+5. for a kernel defined with `early_launch`, compiles it for compute capability 9.0 too and fails unless its
+   PTX waits for prior grids (`griddepcontrol.wait`) before any load or store outside shared, local, param
+   and constant memory: such a launch may start while the one before it still writes.
 
 Exit status 1 if any kernel module fails to import or any kernel fails a step (2 with `--fail-on-spills`
 also for spills). `--json` writes the table for tests and later comparisons.
@@ -36,6 +39,7 @@ from cmpchat.cuda.compile import KernelSpec
 from cmpchat.cuda.kernel_args import Param, kernel_params
 
 CMP_COMPUTE_CAPABILITY = (7, 0)
+EARLY_LAUNCH_COMPUTE_CAPABILITY = (9, 0)
 
 TENSOR_CORE_PROBE_KERNELS = frozenset({"cmpchat.cuda.kernels.tensor_core_probe.mma_chains"})
 """The only kernels allowed tensor-core instructions, by qualified name: `cmpchat doctor --tensor-cores`
@@ -45,6 +49,8 @@ no kernel can grant it to itself (the SASS check uses the same list)."""
 _TENSOR_CORE_INSTRUCTION = re.compile(
     r"^\s*\{?\s*(?:@!?%\w+\s+)?((?:wgmma|wmma|mma|tcgen05\.mma)\b[\w.:]*)", re.MULTILINE
 )
+_MEMORY_ACCESS = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:ld|st|atom|red)(?:\.[\w]+)*)", re.MULTILINE)
+_PRIVATE_SPACES = {"shared", "local", "param", "const"}
 _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\((.*?)\)", re.DOTALL)
 _ENTRY_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.([busf])(\d+)\s+[\w$]+(?:\[(\d+)\])?")
 _PTXAS_FUNCTION = re.compile(r"Function properties for ([\w$]+)")
@@ -80,6 +86,21 @@ class KernelReport:
 def find_tensor_core_instructions(ptx: str) -> list[str]:
     """The tensor-core instructions in PTX text (instructions only: names that merely contain 'mma' pass)."""
     return [match.group(1) for match in _TENSOR_CORE_INSTRUCTION.finditer(_strip_comments(ptx))]
+
+
+def accesses_before_grid_wait(ptx: str) -> list[str] | None:
+    """The loads and stores of memory other launches may touch (global or generic addresses) that come before
+    the first `griddepcontrol.wait` in the PTX, or None when there is no wait at all."""
+    text = _strip_comments(ptx)
+    wait = text.find("griddepcontrol.wait")
+    if wait < 0:
+        return None
+    found = []
+    for match in _MEMORY_ACCESS.finditer(text[:wait]):
+        spaces = set(match.group(1).split(".")[1:])
+        if not spaces & _PRIVATE_SPACES:
+            found.append(match.group(1))
+    return found
 
 
 def entry_parameters(ptx: str) -> list[tuple[str, int]]:
@@ -138,12 +159,13 @@ def find_ptxas() -> Path:
     raise FileNotFoundError("no ptxas from the nvidia-cuda-nvcc-cu12 wheel; install numba-cuda[cu12]")
 
 
-def compile_ptx(spec: KernelSpec, signature: str) -> str:
-    """PTX for compute_70, with the options the kernel's dispatcher compiles with."""
+def compile_ptx(spec: KernelSpec, signature: str, cc: tuple[int, int] = CMP_COMPUTE_CAPABILITY) -> str:
+    """PTX for compute capability `cc` (the CMP's by default), with the options the kernel's dispatcher
+    compiles with."""
     from numba import cuda
 
     options = spec.dispatcher.targetoptions
-    with _device_functions_target_cmp():
+    with _device_functions_target(cc):
         ptx, _ = cuda.compile_ptx(
             spec.dispatcher.py_func,
             signature,
@@ -152,23 +174,23 @@ def compile_ptx(spec: KernelSpec, signature: str) -> str:
             fastmath=options.get("fastmath", False),
             opt=options.get("opt", True),
             launch_bounds=options.get("launch_bounds"),
-            cc=CMP_COMPUTE_CAPABILITY,
+            cc=cc,
         )
     return ptx
 
 
 @contextmanager
-def _device_functions_target_cmp() -> Iterator[None]:
-    """Let non-inline device functions compile without a GPU, for compute capability 7.0.
+def _device_functions_target(cc: tuple[int, int]) -> Iterator[None]:
+    """Let non-inline device functions compile without a GPU, for compute capability `cc`.
 
     `compile_ptx` takes `cc` for the kernel, but a `@cuda.jit(device=True)` function it calls is compiled
     by its own dispatcher, which asks the current device for its compute capability (numba-cuda 0.30,
-    `CUDADispatcher.compile_device`), and there is none here. Answer for the CMP meanwhile.
+    `CUDADispatcher.compile_device`), and there is none here. Answer `cc` meanwhile.
     """
     import numba.cuda.dispatcher as numba_dispatcher
 
     real = numba_dispatcher.get_current_device
-    numba_dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=CMP_COMPUTE_CAPABILITY)
+    numba_dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=cc)
     try:
         yield
     finally:
@@ -194,7 +216,7 @@ def assemble(ptx: str, ptxas: Path, max_registers: int | None = None) -> Resourc
 
 
 def check_kernel(spec: KernelSpec, signature: str, ptxas: Path, ptx_dir: Path | None = None) -> KernelReport:
-    """All four checks for one kernel signature; problems are collected, not raised."""
+    """All five checks for one kernel signature; problems are collected, not raised."""
     from numba.cuda.core import sigutils
 
     report = KernelReport(f"{spec.module}.{spec.name}", signature)
@@ -220,7 +242,23 @@ def check_kernel(spec: KernelSpec, signature: str, ptxas: Path, ptx_dir: Path | 
         report.usage = assemble(ptx, ptxas, spec.dispatcher.targetoptions.get("max_registers"))
     except RuntimeError as error:
         report.problems.append(str(error))
+    if spec.early_launch:
+        report.problems += early_launch_problems(spec, signature)
     return report
+
+
+def early_launch_problems(spec: KernelSpec, signature: str) -> list[str]:
+    """Why the kernel may not be launched early, judged from its compute_90 PTX (empty when it may)."""
+    try:
+        ptx = compile_ptx(spec, signature, EARLY_LAUNCH_COMPUTE_CAPABILITY)
+    except Exception as error:
+        return [f"compile_ptx for compute_90 failed: {type(error).__name__}: {error}"]
+    early = accesses_before_grid_wait(ptx)
+    if early is None:
+        return ["defined with early_launch but its compute_90 PTX has no griddepcontrol.wait"]
+    if early:
+        return [f"early launch: {', '.join(sorted(set(early)))} before griddepcontrol.wait"]
+    return []
 
 
 def check_all(

@@ -6,6 +6,13 @@ Binding compiles the dispatcher for the launch's argument types exactly as Numba
 reuses the module Numba loaded (one copy per context, Numba's module setup done). The parameters are packed
 as `kernel_args` describes and checked against the driver's own parameter table for the kernel.
 
+Kernels defined with `early_launch` are launched on sm_90+ with programmatic stream serialization
+(`cuLaunchKernelEx`): the driver may start one while the launch before it on the stream still runs, and the
+kernel's `wait_for_prior_grids()` holds it until that launch is done; a graph captured from such launches
+keeps those edges. It hides each launch's start (block scheduling, the prologue's independent part) behind the
+tail of the one before. CMPCHAT_EARLY_LAUNCH=0 in the environment turns it off (to rule it out when hunting a
+race); below sm_90 it does not exist.
+
 The arguments are frozen at binding: device arrays by address (they must outlive the RawLaunch, which
 keeps a reference), scalars by value. Values that change from call to call belong in device memory
 (`DeviceScalars`). Under the CUDA simulator a RawLaunch runs its Launch through Numba, so engine code that
@@ -15,9 +22,11 @@ uses raw launches and graphs also runs in CI.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import Any
 
+from cmpchat.cuda.compile import is_early_launch
 from cmpchat.cuda.driver_api import SUCCESS, CudaDriverError, check, stream_handle
 from cmpchat.cuda.intrinsics import SIMULATOR
 from cmpchat.cuda.kernel_args import PackedParams, kernel_params, pack_params
@@ -28,6 +37,17 @@ if not SIMULATOR:
 
 STATIC_SHARED_LIMIT = 48 * 1024
 """Dynamic shared memory above this needs the kernel attribute raised first (DESIGN.md)."""
+EARLY_LAUNCH_CAPABILITY = (9, 0)
+"""Programmatic dependent launch (griddepcontrol) exists from compute capability 9.0."""
+
+
+def early_launch_enabled() -> bool:
+    """Whether early-launch kernels are launched early here: an sm_90+ GPU, not turned off in the environment."""
+    if SIMULATOR or os.environ.get("CMPCHAT_EARLY_LAUNCH", "1") == "0":
+        return False
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability) >= EARLY_LAUNCH_CAPABILITY
 
 
 @dataclass(slots=True)
@@ -48,10 +68,12 @@ _BOUND: dict[Any, _BoundFunction] = {}
 class RawLaunch:
     """A `Launch` ready for the driver; call it with a stream to launch."""
 
-    __slots__ = ("launch", "kernel_name", "_function", "_grid", "_block", "_buffer", "_pointers", "_params_address")
+    __slots__ = ("launch", "kernel_name", "early", "_function", "_grid", "_block", "_buffer", "_pointers",
+                 "_params_address", "_config")  # fmt: skip
 
     def __init__(self, launch: Launch) -> None:
         self.launch = launch
+        self.early = is_early_launch(launch.dispatcher) and early_launch_enabled()  # see the module's docstring
         if SIMULATOR:
             self.kernel_name = getattr(launch.dispatcher, "__name__", "kernel")
             return
@@ -71,11 +93,18 @@ class RawLaunch:
         base = ctypes.addressof(self._buffer)
         self._pointers = (ctypes.c_void_p * max(len(packed.offsets), 1))(*(base + o for o in packed.offsets))
         self._params_address = ctypes.addressof(self._pointers) if packed.offsets else 0
+        self._config = _early_launch_config(self._grid, self._block, launch.shared_bytes) if self.early else None
 
     def __call__(self, stream: Any = 0) -> None:
         """Launch on `stream` (a Numba/cuda.core/PyTorch stream, a CUstream or an int handle)."""
         if SIMULATOR:
             self.launch.run(stream)
+            return
+        if self._config is not None:
+            self._config.hStream = stream_handle(stream)
+            result = driver.cuLaunchKernelEx(self._config, self._function, self._params_address, 0)
+            if result[0] != SUCCESS:
+                check(f"cuLaunchKernelEx({self.kernel_name})", result)
             return
         result = driver.cuLaunchKernel(
             self._function, *self._grid, *self._block, self.launch.shared_bytes, stream_handle(stream),
@@ -162,6 +191,20 @@ def _allow_dynamic_shared(bound: _BoundFunction, shared_bytes: int) -> None:
     attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     check(f"cuFuncSetAttribute({bound.name})", driver.cuFuncSetAttribute(bound.function, attribute, shared_bytes))
     bound.dynamic_shared_limit = shared_bytes
+
+
+def _early_launch_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int) -> Any:
+    """A `CUlaunchConfig` allowing programmatic stream serialization; the stream is set per launch."""
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_bytes
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
 
 
 def _dim3(dim: Dim) -> tuple[int, int, int]:

@@ -20,6 +20,7 @@ from cmpchat.backends.cuda.model import CudaBackend
 from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
 from cmpchat.backends.reference.model import ReferenceBackend
 from cmpchat.cuda.kernels.gemv import TOKEN_BUCKETS
+from cmpchat.cuda.raw_launch import RawLaunch, early_launch_enabled
 from cmpchat.demo import ensure_demo_model
 from cmpchat.errors import CmpchatError
 from cmpchat.model.gguf_file import ModelFile
@@ -137,6 +138,31 @@ def test_graph_and_eager_decode_give_identical_tokens():
     graph = greedy_tokens(CudaBackend(model_file, context=4096, use_graphs=True), prompt, 40)
     eager = greedy_tokens(CudaBackend(model_file, context=4096, use_graphs=False), prompt, 40)
     assert graph == eager
+
+
+def greedy_logits(backend: CudaBackend, prompt: list[int], steps: int) -> np.ndarray:
+    sequence = backend.new_sequence()
+    logits = [backend.to_host(backend.prefill(sequence, prompt))[0]]
+    for _ in range(steps):
+        logits.append(backend.to_host(backend.decode([sequence], [int(np.argmax(logits[-1]))]))[0])
+    backend.release(sequence)
+    return np.stack(logits)
+
+
+def test_early_launches_give_the_bits_ordinary_launches_give(monkeypatch: pytest.MonkeyPatch):
+    """Programmatic dependent launch (sm_90+) overlaps each decode kernel's start with the one before: a kernel
+    touching its inputs before its grid wait would read stale values, and show here as different bits."""
+    if not early_launch_enabled():
+        pytest.skip("this GPU has no programmatic dependent launch (sm_90+)")
+    model_file = ModelFile(ensure_demo_model())
+    prompt = [9419, 11, 1814, 0, 5]
+    backend = CudaBackend(model_file, context=4096)
+    early = greedy_logits(backend, prompt, 24)
+    assert sum(RawLaunch(launch).early for launch in backend.step_launches(1)) > len(backend.step_launches(1)) // 2
+    monkeypatch.setenv("CMPCHAT_EARLY_LAUNCH", "0")  # read when each launch is bound, before the graph's capture
+    ordinary = CudaBackend(model_file, context=4096)
+    assert np.array_equal(early.view(np.uint32), greedy_logits(ordinary, prompt, 24).view(np.uint32))
+    assert not any(RawLaunch(launch).early for launch in ordinary.step_launches(1))
 
 
 def test_warm_up_prepares_the_first_turn_and_leaves_no_trace():

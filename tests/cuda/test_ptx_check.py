@@ -15,6 +15,7 @@ import pytest
 from cmpchat.cuda.discovery import SELFTEST_MODULE, kernel_module_names
 from cmpchat.cuda.kernel_args import Param
 from cmpchat.cuda.ptx_check import (
+    accesses_before_grid_wait,
     entry_parameters,
     find_tensor_core_instructions,
     format_table,
@@ -86,6 +87,27 @@ def test_layout_mismatches_are_named():
     assert layout_mismatch(params, [("u", 8), ("u", 4), ("f", 4)]) is None
     assert "parameter 2 (arg2)" in layout_mismatch(params, [("u", 8), ("u", 4), ("u", 4)])
     assert "packs 3 parameters" in layout_mismatch(params, [("u", 8), ("u", 4)])
+
+
+EARLY_PTX = """
+	ld.param.u64 	%rd1, [kernel_param_0];
+	ld.shared.u32 	%r1, [%r2];
+	prefetch.global.L2 [%rd3];
+	// ld.global.f32 in a comment is no load
+	griddepcontrol.launch_dependents;
+	griddepcontrol.wait;
+	ld.global.nc.v4.f32 	{%f1, %f2, %f3, %f4}, [%rd4];
+	st.global.f32 	[%rd5], %f1;
+"""
+
+
+def test_memory_other_launches_write_is_not_touched_before_the_grid_wait():
+    assert accesses_before_grid_wait(EARLY_PTX) == []
+    assert accesses_before_grid_wait(EARLY_PTX.replace("griddepcontrol.wait;", "")) is None
+    wait = "\tgriddepcontrol.wait;"
+    for access in ("ld.global.nc.v4.u32", "@%p1 st.global.f32", "ld.f32", "atom.global.add.f32", "red.add.u32"):
+        moved = EARLY_PTX.replace(wait, f"\t{access} \t%f9, [%rd9];\n{wait}")
+        assert accesses_before_grid_wait(moved) == [access.removeprefix("@%p1 ")], access
 
 
 PTXAS_OUTPUT = """ptxas info    : 8 bytes gmem, 8 bytes cmem[4]

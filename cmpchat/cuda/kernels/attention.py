@@ -50,7 +50,16 @@ import numpy as np
 from numba import cuda, float32, int64, uint32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import WARP_SIZE, load_u32x4, shfl_xor_f32, unpack_f16x2, warp_max_f32, warp_sum_f32
+from cmpchat.cuda.intrinsics import (
+    WARP_SIZE,
+    allow_dependent_grids,
+    load_u32x4,
+    shfl_xor_f32,
+    unpack_f16x2,
+    wait_for_prior_grids,
+    warp_max_f32,
+    warp_sum_f32,
+)
 from cmpchat.cuda.launch import Launch, check_array
 
 POSITION_COLUMNS = 4  # (cache_index, t, h, w)
@@ -103,6 +112,8 @@ def _partial_kernel(group: int, head_dim: int, warps: int, unroll: int) -> Any:
     def attention_partial(
         q, positions, page_table, k_words, v_words, num_kv_heads, page_tokens, min_split_tokens, partial_acc, partial_ml
     ):
+        wait_for_prior_grids()
+        allow_dependent_grids()
         kv_head, split, row = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         thread = cuda.threadIdx.x
         lane, warp = thread % WARP_SIZE, thread // WARP_SIZE
@@ -218,7 +229,7 @@ def _partial_kernel(group: int, head_dim: int, warps: int, unroll: int) -> Any:
 
     name = f"attention_partial_g{group}_d{head_dim}_w{warps}_u{unroll}"
     attention_partial.__name__ = attention_partial.__qualname__ = name
-    return kernel(_PARTIAL_SIGNATURE)(attention_partial)
+    return kernel(_PARTIAL_SIGNATURE, early_launch=True)(attention_partial)
 
 
 # The released Qwen3.5 sizes have G = 4 (0.8B-9B) or 6 (27B) and hd 256: registered now so the PTX and SASS
@@ -240,7 +251,9 @@ COMBINE_THREADS = COMBINE_WARPS * WARP_SIZE
 def attention_combine(partial_acc, partial_ml, qkv, positions, capacity, tile, min_split_tokens, out):
     """out[row, head, 32 dims] = the splits' partials merged (weights exp(m_s - max)), normalised, times
     sigmoid(gate). One block per (head, row, 32 dims), its warps each taking every COMBINE_WARPS-th split: one
-    thread per dim looping over all the splits (264 then) made this 30-90 µs a layer at 4K-32K tokens (H200)."""
+    thread per dim looping over all the splits (264 then) made this 30-90 µs a layer at 4K-32K tokens (H200).
+    Not an early launch: launched early (with the kernel after it) it made decode steps 0.02-0.04 ms slower at
+    4K-32K tokens and no faster at 0 (H200, 9B and 27B), the one decode kernel that did not gain."""
     head, row = cuda.blockIdx.x, cuda.blockIdx.y
     thread = cuda.threadIdx.x
     lane, warp = thread % WARP_SIZE, thread // WARP_SIZE

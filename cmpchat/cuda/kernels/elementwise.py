@@ -18,6 +18,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from cmpchat.cuda.compile import kernel
+from cmpchat.cuda.intrinsics import allow_dependent_grids, wait_for_prior_grids
 from cmpchat.cuda.launch import Launch, check_array
 
 _ZERO = float32(0.0)
@@ -55,9 +56,11 @@ def _signed_byte(word, shift):
 # -- kernels -----------------------------------------------------------------------------------------
 
 
-@kernel("void(int32[::1], uint32[:, ::1], float16[:, ::1], float32[:, ::1])")
+@kernel("void(int32[::1], uint32[:, ::1], float16[:, ::1], float32[:, ::1])", early_launch=True)
 def embed_q8_0_kernel(token_ids, quants, scales, hidden):
     """Block (word group, row); thread = one 32-bit word = 4 int8 weights of the token's row."""
+    wait_for_prior_grids()
+    allow_dependent_grids()
     word = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     row = cuda.blockIdx.y
     if word >= quants.shape[1]:

@@ -47,7 +47,15 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, block_sum_f32, sum_in_order, warp_sum_f32
+from cmpchat.cuda.intrinsics import (
+    MAX_BLOCK_THREADS,
+    WARP_SIZE,
+    allow_dependent_grids,
+    block_sum_f32,
+    sum_in_order,
+    wait_for_prior_grids,
+    warp_sum_f32,
+)
 from cmpchat.cuda.kernels.elementwise import sigmoid, silu, softplus
 from cmpchat.cuda.launch import Launch, check_array
 
@@ -78,7 +86,7 @@ _RECURRENT_SIGNATURE = (
 # -- kernels -----------------------------------------------------------------------------------------
 
 
-@kernel(_CONV_SIGNATURE)
+@kernel(_CONV_SIGNATURE, early_launch=True)
 def gdn_conv_step(
     projection, conv_weight, conv_state, slots, mixed, num_k_heads, k_head_dim, v_head_dim, q_scale, tokens_per_sequence
 ):
@@ -88,6 +96,8 @@ def gdn_conv_step(
     mixed[row, ch] = silu(causal conv) for ch < conv_dim, q/k then L2-normalised per head and q scaled.
     `mixed` may be `projection` itself (each element is read and written by the same thread).
     """
+    wait_for_prior_grids()
+    allow_dependent_grids()
     lane = cuda.threadIdx.x
     head = cuda.blockIdx.x
     qk_heads = 2 * num_k_heads
@@ -151,6 +161,8 @@ def _make_recurrent_step(prompt: bool) -> Any:
     ):
         """Block (value head h, sequence), threads (column j, row group g): the delta rule on S_h, then the
         gated norm, for each of the sequence's rows in turn. `delta_state` is the flat [S * Hv * dk * dv]."""
+        wait_for_prior_grids()
+        allow_dependent_grids()
         column = cuda.threadIdx.x
         group = cuda.threadIdx.y
         head = cuda.blockIdx.x
@@ -242,7 +254,7 @@ def _make_recurrent_step(prompt: bool) -> Any:
 
     name = "gdn_recurrent_prompt" if prompt else "gdn_recurrent_step"
     recurrent_step.__name__ = recurrent_step.__qualname__ = name
-    return kernel(_RECURRENT_SIGNATURE, launch_bounds=MAX_BLOCK_THREADS)(recurrent_step)
+    return kernel(_RECURRENT_SIGNATURE, launch_bounds=MAX_BLOCK_THREADS, early_launch=True)(recurrent_step)
 
 
 gdn_recurrent_step = _make_recurrent_step(prompt=False)

@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import WARP_SIZE, block_sum_f32
+from cmpchat.cuda.intrinsics import WARP_SIZE, allow_dependent_grids, block_sum_f32, wait_for_prior_grids
 from cmpchat.cuda.kernels.attention import check_kv_cache, check_row_inputs
 from cmpchat.cuda.launch import Launch, check_array
 
@@ -60,9 +60,12 @@ def rope_tables(rope_dims: int, theta: float, sections: tuple[int, ...]) -> Rope
 
 @kernel(
     "void(float32[:, ::1], int32[:, ::1], int32[:, ::1], float32[::1], float32[::1], float64[::1], int32[::1], "
-    "float32, float32[:, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1])"
+    "float32, float32[:, :, ::1], float16[:, :, :, ::1], float16[:, :, :, ::1])",
+    early_launch=True,
 )
 def qk_norm_rope(qkv, positions, page_table, q_norm, k_norm, inv_freq, freq_axis, eps, q_out, k_cache, v_cache):
+    wait_for_prior_grids()
+    allow_dependent_grids()
     head, row, dim = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     num_heads, head_dim = q_out.shape[1], q_out.shape[2]
     page_tokens, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
