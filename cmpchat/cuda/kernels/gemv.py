@@ -45,7 +45,15 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import SIMULATOR, WARP_SIZE, dp4a, load_u32x4, shfl_xor_f32
+from cmpchat.cuda.intrinsics import (
+    SIMULATOR,
+    WARP_SIZE,
+    allow_dependent_grids,
+    dp4a,
+    load_u32x4,
+    shfl_xor_f32,
+    wait_for_prior_grids,
+)
 from cmpchat.cuda.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD, check_quantized
 from cmpchat.cuda.launch import Launch, check_array
 from cmpchat.model.quant import q8_0_split
@@ -166,6 +174,8 @@ def _make_gemv_q8(tokens_max: int) -> Any:
         # Index arithmetic note: powers of two use shifts and masks (Python's floor division on signed
         # integers costs several instructions each), and array indices are cast to uint64, which spares
         # Numba's negative-index wraparound on every access of the inner loop.
+        wait_for_prior_grids()
+        allow_dependent_grids()
         tid = cuda.threadIdx.x
         lane = tid & (WARP_SIZE - 1)
         pair = cuda.blockIdx.x * WARPS_PER_BLOCK + (tid >> 5)
@@ -309,7 +319,7 @@ def _make_gemv_q8(tokens_max: int) -> Any:
                         y[uint64(out + row)] = total
 
     gemv_q8.__name__ = gemv_q8.__qualname__ = f"gemv_q8_t{tokens_max}"
-    return kernel(GEMV_Q8_SIGNATURE)(gemv_q8)
+    return kernel(GEMV_Q8_SIGNATURE, early_launch=True)(gemv_q8)
 
 
 GEMV_Q8 = {tokens: _make_gemv_q8(tokens) for tokens in TOKEN_BUCKETS}

@@ -32,7 +32,15 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from cmpchat.cuda.compile import kernel
-from cmpchat.cuda.intrinsics import MAX_BLOCK_THREADS, WARP_SIZE, block_sum_f32, fma_f32, shfl_xor_f32
+from cmpchat.cuda.intrinsics import (
+    MAX_BLOCK_THREADS,
+    WARP_SIZE,
+    allow_dependent_grids,
+    block_sum_f32,
+    fma_f32,
+    shfl_xor_f32,
+    wait_for_prior_grids,
+)
 from cmpchat.cuda.launch import Launch, check_array
 
 QUANT_BLOCK = 32
@@ -98,8 +106,10 @@ def block_amax(x0, x1, x2, x3):
     return amax
 
 
-@kernel("void(float32[:, ::1], uint32[:, ::1], float32[:, ::1])")
+@kernel("void(float32[:, ::1], uint32[:, ::1], float32[:, ::1])", early_launch=True)
 def quantize_rows(x, quants, scales):
+    wait_for_prior_grids()
+    allow_dependent_grids()
     token = cuda.blockIdx.y
     word = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     live = word < quants.shape[1]
@@ -117,6 +127,8 @@ def quantize_rows(x, quants, scales):
 
 def _make_rms_norm_quantize(keep_normalized: bool) -> Any:
     def rms_norm_quantize(x, weight, eps, quants, scales, normalized):
+        wait_for_prior_grids()
+        allow_dependent_grids()
         token, tid, threads = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
         words = quants.shape[1]
         rounds = (words + threads - 1) // threads  # the same for every thread: shuffles stay uniform
@@ -155,9 +167,8 @@ def _make_rms_norm_quantize(keep_normalized: bool) -> Any:
     name = "rms_norm_quantize_keep" if keep_normalized else "rms_norm_quantize"
     rms_norm_quantize.__name__ = rms_norm_quantize.__qualname__ = name
     # Without the fp32 output the kernel still takes an array there (never touched): one calling convention.
-    return kernel("void(float32[:, ::1], float32[::1], float32, uint32[:, ::1], float32[:, ::1], float32[:, ::1])")(
-        rms_norm_quantize
-    )
+    signature = "void(float32[:, ::1], float32[::1], float32, uint32[:, ::1], float32[:, ::1], float32[:, ::1])"
+    return kernel(signature, early_launch=True)(rms_norm_quantize)
 
 
 rms_norm_quantize = _make_rms_norm_quantize(False)
