@@ -16,7 +16,8 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
   16-byte shared-memory loads/stores and global stores of flat fp32 arrays (Numba emits only scalar ones).
 - `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
   read-only path, for streaming weights; `load_f32x4` the same for float32 arrays (activations).
-- `wait_for_prior_grids()`, `allow_dependent_grids()`: programmatic dependent launch on sm_90+ (see below).
+- `wait_for_prior_grids()`, `allow_dependent_grids()`: programmatic dependent launch on sm_90+ (see below);
+  `prefetch_l2(array, index)`: ask L2 for the line holding array[index] (no register, nothing waits for it).
 
 No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
 """
@@ -418,7 +419,8 @@ else:
 
     def _grid_dependency_control(action: str) -> object:
         """An intrinsic emitting `griddepcontrol.<action>` on sm_90+ and nothing elsewhere. Volatile and clobbering
-        memory, so NVVM keeps every load and store on its side."""
+        memory, so NVVM keeps ordinary loads and stores on their side of it; the inline-asm loads above carry no
+        clobber and might in principle move, so `ptx_check` checks the order in every early kernel's PTX."""
 
         def control(typingctx):
             def codegen(context, builder, sig, args):
