@@ -19,6 +19,8 @@ class DecodeReport:
     llama: list[LlamaResult]
     shape: str | None = None
     """The released size the file has the shapes of, when it is a benchmark file."""
+    early_launch: bool = False
+    """Whether decode kernels were launched early (programmatic dependent launch: sm_90+, `raw_launch`)."""
 
     def llama_at(self, context: int) -> LlamaResult | None:
         for result in self.llama:
@@ -29,7 +31,8 @@ class DecodeReport:
 
 def format_decode(report: DecodeReport) -> list[str]:
     lines = [
-        f"{report.model} on {report.gpu}: streaming read {report.read_bandwidth / 1e9:.0f} GB/s (measured now)",
+        f"{report.model} on {report.gpu}: streaming read {report.read_bandwidth / 1e9:.0f} GB/s (measured now); "
+        f"early launch {'on' if report.early_launch else 'off'}",
         f"{'context':>8} {'batch':>5} {'tok/s':>8} {'limit':>8} {'of limit':>8} {'llama.cpp':>9} {'ours/llama':>10}"
         f" {'CMP projection':>15}",
     ]
@@ -85,6 +88,7 @@ def decode_json(report: DecodeReport) -> dict:
         "shape": report.shape,
         "gpu": report.gpu,
         "read_bandwidth_GBps": round(report.read_bandwidth / 1e9, 1),
+        "early_launch": report.early_launch,
         "runs": [_run_json(run, report) for run in report.runs],
         "llama_cpp": [vars(result) for result in report.llama],
     }

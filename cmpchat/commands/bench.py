@@ -129,6 +129,7 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeRepor
     from cmpchat.bench.llama_cpp import decode_command, run_llama_bench
     from cmpchat.bench.report import DecodeReport, format_decode
     from cmpchat.cuda.kernels.throughput_probes import streaming_read_bandwidth
+    from cmpchat.cuda.raw_launch import early_launch_enabled
     from cmpchat.model.config import ModelConfig
     from cmpchat.model.gguf_file import ModelFile
 
@@ -175,7 +176,8 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeRepor
             llama = run_llama_bench(decode_command(args.llama_bench, path, args.contexts, args.tokens))
         except CmpchatError as error:  # our figures still stand; the comparison is missing, and says why
             _say(f"  no llama.cpp comparison: {error}")
-    report = DecodeReport(path.name, gpu, bandwidth, runs, llama, shape=name if name in BENCH_SHAPES else None)
+    shape = name if name in BENCH_SHAPES else None
+    report = DecodeReport(path.name, gpu, bandwidth, runs, llama, shape=shape, early_launch=early_launch_enabled())
     print("\n".join(format_decode(report)), flush=True)
     return report
 

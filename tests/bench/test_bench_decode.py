@@ -89,7 +89,8 @@ def _report() -> DecodeReport:
     batched = DecodeRun(context=0, batch=4, tokens_per_second=900.0, bytes=config_bytes, limit=1900.0,
                         step_seconds=4 / 900)  # fmt: skip
     llama = parse_llama_bench_json(LLAMA_OUTPUT)
-    return DecodeReport("random-qwen35-9B-q8_0.gguf", "NVIDIA H200", 4.5e12, [run, batched], llama, shape="9B")
+    return DecodeReport("random-qwen35-9B-q8_0.gguf", "NVIDIA H200", 4.5e12, [run, batched], llama, shape="9B",
+                        early_launch=True)  # fmt: skip
 
 
 def _config_stub() -> ModelConfig:
@@ -113,8 +114,10 @@ def test_report_shows_ratios_llama_and_the_labelled_projection() -> None:
     assert "60.0%" in text  # 300 of a 500 tok/s limit
     assert "201.5" in text and "1.49" in text  # llama.cpp at context 0, ours / llama
     assert "projection" in text and "46.6" in text and "70.4" in text
+    assert "early launch on" in text
     data = decode_json(report)
     json.dumps(data)
+    assert data["early_launch"] is True
     first = data["runs"][0]
     assert first["ratio_of_limit"] == pytest.approx(0.6) and first["llama_cpp_tok_s"] == 201.5
     assert data["runs"][1]["cmp_projection_tok_s"] is None  # projections are for batch 1 only
