@@ -17,6 +17,8 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
 - `load_u32x4(array, index)`: one 16-byte load of array[index:index+4] (index a multiple of 4) through the
   read-only path, for streaming weights; `load_f32x4` the same for float32 arrays (activations).
 - `wait_for_prior_grids()`, `allow_dependent_grids()`: programmatic dependent launch on sm_90+ (see below);
+  `launched_early_here()`: a constant, whether the code is compiled for a GPU where early-launch kernels are
+  launched early (sm_90+), to keep work that only pays while waiting out of sm_70 code;
   `prefetch_l2(array, index)`: ask L2 for the line holding array[index] (no register, nothing waits for it).
 
 No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
@@ -393,6 +395,10 @@ if SIMULATOR:
     def prefetch_l2(array, index):
         pass
 
+    @cuda.jit(device=True)
+    def launched_early_here():
+        return True  # the simulator takes the sm_90 path, so CI runs its index arithmetic
+
 else:
     from llvmlite import ir
     from numba.cuda import cgutils
@@ -437,6 +443,13 @@ else:
 
     wait_for_prior_grids = _grid_dependency_control("wait")
     allow_dependent_grids = _grid_dependency_control("launch_dependents")
+
+    @intrinsic
+    def launched_early_here(typingctx):
+        def codegen(context, builder, sig, args):
+            return _arch_at_least(builder, GRID_DEPENDENCY_ARCH)
+
+        return types.boolean(), codegen
 
     @intrinsic
     def prefetch_l2(typingctx, array, index):
