@@ -81,3 +81,30 @@ def test_device_scalars_are_one_element_views_of_one_array():
     assert scalars["token"].copy_to_host().tolist() == [-4]
     with pytest.raises(ValueError):
         DeviceScalars(("a", "a"))
+
+
+def test_the_decode_kernels_that_may_start_early_are_marked_and_the_combine_is_not():
+    """Which kernels are early launches is a measured choice (README, "Early launch"): the one-row decode chain
+    and the batched one are, the attention combine is not (it made 4K-32K steps slower). The simulator never
+    launches early, and says so."""
+    from cmpchat.cuda.compile import is_early_launch
+    from cmpchat.cuda.kernels import attention, elementwise, gated_deltanet, gemv, gemv_fused, qk_norm_rope, quantize
+    from cmpchat.cuda.raw_launch import early_launch_enabled
+
+    early = [
+        *gemv_fused.GEMV_Q8_FUSED.values(),
+        *gemv.GEMV_Q8.values(),
+        quantize.quantize_rows,
+        quantize.rms_norm_quantize,
+        quantize.rms_norm_quantize_keep,
+        elementwise.embed_q8_0_kernel,
+        qk_norm_rope.qk_norm_rope,
+        attention._partial_kernel(4, 256, 4, 4),
+        attention._partial_kernel(6, 256, 4, 4),
+        gated_deltanet.gdn_conv_step,
+        gated_deltanet.gdn_recurrent_step,
+        gated_deltanet.gdn_recurrent_prompt,
+    ]
+    assert all(is_early_launch(dispatcher) for dispatcher in early)
+    assert not is_early_launch(attention.attention_combine)
+    assert not early_launch_enabled()
