@@ -457,8 +457,7 @@ else:
             return None
 
         def codegen(context, builder, sig, args):
-            array_struct = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
-            pointer = builder.gep(array_struct.data, [args[1]])
+            pointer = _global_address(context, builder, *sig.args, *args)
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [pointer.type]), "prefetch.global.L2 [$0];", "l",
                                side_effect=True)  # fmt: skip
             builder.call(asm, [pointer])

@@ -171,11 +171,11 @@ def _make_gemv_q8(tokens_max: int) -> Any:
     live_16, live_8, live_4, live_2, live_1 = (max(sums >> level, 1) for level in range(5))
 
     def gemv_q8(wq, ws, xq, xs, y, rows, words, tokens, mode):
+        wait_for_prior_grids()
+        allow_dependent_grids()
         # Index arithmetic note: powers of two use shifts and masks (Python's floor division on signed
         # integers costs several instructions each), and array indices are cast to uint64, which spares
         # Numba's negative-index wraparound on every access of the inner loop.
-        wait_for_prior_grids()
-        allow_dependent_grids()
         tid = cuda.threadIdx.x
         lane = tid & (WARP_SIZE - 1)
         pair = cuda.blockIdx.x * WARPS_PER_BLOCK + (tid >> 5)

@@ -165,6 +165,7 @@ def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
         # before the wait. Dependents may start at once: they can only take the room this block leaves.
         allow_dependent_grids()
         pairs = rows >> 1 if mode == MODE_SWIGLU else (rows + 1) >> 1
+        blocks = words >> 3
         grid = cuda.gridDim.x
         own_pair = (tid >> 5) * grid + cuda.blockIdx.x
         # Not below sm_90: with no early launch the prefetch would delay the prologue (2-8% slower steps, H200).
@@ -175,8 +176,8 @@ def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
                 prefetch_l2(wq, uint64(min(row_a, rows - 1) * words + k))
                 prefetch_l2(wq, uint64(min(row_b, rows - 1) * words + k))
             if lane == 0:  # and the rows' first scales (one line: 64 of them)
-                prefetch_l2(ws, uint64(min(row_a, rows - 1) * (words >> 3)))
-                prefetch_l2(ws, uint64(min(row_b, rows - 1) * (words >> 3)))
+                prefetch_l2(ws, uint64(min(row_a, rows - 1) * blocks))
+                prefetch_l2(ws, uint64(min(row_b, rows - 1) * blocks))
         wait_for_prior_grids()
 
         factor = float32(1.0)
@@ -230,7 +231,6 @@ def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
         # as any other, give or take one pair per block. A warp past the last pair stops; in the simulator,
         # whose shuffles are block-wide barriers, it runs on with a live row and stores nothing.
         all_warps = grid * block_warps
-        blocks = words >> 3
         acc = cuda.local.array(2, float32)
         weight_a = cuda.local.array(step_words, uint32)
         weight_b = cuda.local.array(step_words, uint32)
