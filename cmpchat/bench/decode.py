@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cmpchat.bench.kernel_families import FamilyTime, family_times
+from cmpchat.bench.kernel_families import FamilyTime, family_times, kernel_family
 from cmpchat.bench.limits import StepBytes, cmp_projection, limit_tokens_per_second, step_bytes
 from cmpchat.generation.sampling import SamplingParams
 
@@ -104,7 +104,7 @@ def run_decode(
 ) -> list[DecodeRun]:
     """The phase's batch-1 runs, one per context (profiled), then its batched runs."""
     contexts, batches = phase.contexts, phase.batches
-    from cmpchat.cuda.profile import profile_launches
+    from cmpchat.cuda.profile import cost_in_replay, profile_launches
 
     config = backend.config
     runs = []
@@ -114,6 +114,7 @@ def run_decode(
         seconds = _time_steps(backend, sequences, tokens)
         launches = backend.step_launches(1)
         profile = profile_launches(launches, backend.stream)
+        in_replay = cost_in_replay(launches, backend.stream, kernel_family)
         bytes_ = step_bytes(weights, config, context)
         family_bytes = {
             "GEMV": weights,
@@ -129,7 +130,7 @@ def run_decode(
                 limit=limit_tokens_per_second(read_bandwidth, bytes_.total),
                 step_seconds=seconds / tokens,
                 replay_seconds=profile.replay,
-                families=family_times(profile.names, profile.attributed(), family_bytes),
+                families=family_times(profile.names, profile.attributed(), family_bytes, in_replay),
                 kernels=_by_kernel(profile.names, profile.attributed()),
             )
         )

@@ -34,19 +34,33 @@ class FamilyTime:
     seconds: float
     bytes_read: int
     """What the family must read per step (0 where it is not a bandwidth-bound family)."""
+    in_replay: float | None = None
+    """Seconds the family adds to a replay of the step (`profile.cost_in_replay`): less than `seconds` where
+    its kernels overlap the others."""
 
     @property
     def bandwidth(self) -> float | None:
         return self.bytes_read / self.seconds if self.bytes_read and self.seconds > 0 else None
 
 
-def family_times(names: Sequence[str], seconds: Sequence[float], family_bytes: dict[str, int]) -> list[FamilyTime]:
+def family_times(
+    names: Sequence[str],
+    seconds: Sequence[float],
+    family_bytes: dict[str, int],
+    in_replay: dict[str, float] | None = None,
+) -> list[FamilyTime]:
     """Sum per-launch times by family, in FAMILIES order; families without launches are left out."""
     totals: dict[str, list[float]] = {}
     for name, value in zip(names, seconds, strict=True):
         totals.setdefault(kernel_family(name), []).append(value)
     return [
-        FamilyTime(family, len(totals[family]), sum(totals[family]), family_bytes.get(family, 0))
+        FamilyTime(
+            family,
+            len(totals[family]),
+            sum(totals[family]),
+            family_bytes.get(family, 0),
+            None if in_replay is None else in_replay.get(family),
+        )
         for family in FAMILIES
         if family in totals
     ]

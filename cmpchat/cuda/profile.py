@@ -9,12 +9,19 @@ per-launch figures add up to the replay (the plain replay's time is the one to r
     timings = profile_launches(launches, stream, replays=20)
     timings.per_launch   # seconds, one per launch (median over replays)
     timings.replay       # seconds of one replay of the same launches without events
+
+Kernels timed one by one run alone, but in a replay they overlap (early launch, blocks of the next kernel
+starting as the last ones of the one before finish), so a kernel's own time can be far more than it adds to
+the step. `cost_in_replay` measures that instead: the replay of every launch against the replay without one
+group's launches.
+
+    cost_in_replay(launches, stream, kernel_family)   # {"GEMV": seconds, "GDN": seconds, ...}
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +81,35 @@ def profile_launches(launches: Sequence[Launch | RawLaunch], stream: Any, replay
         per_launch=tuple(statistics.median(s) for s in samples),
         replay=replay,
     )
+
+
+def cost_in_replay(
+    launches: Sequence[Launch | RawLaunch], stream: Any, group_of: Callable[[str], str], replays: int = 20
+) -> dict[str, float]:
+    """Per group of launches (`group_of(kernel name)`), the seconds a plain replay of all of them takes more
+    than a replay with that group's launches left out: what the group costs where it runs among the others.
+
+    What stays reads buffers the left-out launches no longer write; no kernel's time depends on their values.
+    """
+    if SIMULATOR:
+        raise RuntimeError("profiling needs a GPU; the CUDA simulator has no timers")
+    raw = [item if isinstance(item, RawLaunch) else RawLaunch(item) for item in launches]
+    groups = [group_of(launch.kernel_name) for launch in raw]
+
+    def replay_seconds(kept: list[RawLaunch]) -> float:
+        if not kept:
+            return 0.0
+        graph = LaunchGraph.capture(kept, stream)
+        try:
+            return _time_replays(graph, stream, replays)
+        finally:
+            graph.close()
+
+    full = replay_seconds(raw)
+    return {
+        group: full - replay_seconds([launch for launch, g in zip(raw, groups, strict=True) if g != group])
+        for group in dict.fromkeys(groups)
+    }
 
 
 def _capture_with_events(raw: list[RawLaunch], events: list[Any], handle: int) -> Any:

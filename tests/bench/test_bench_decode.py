@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cmpchat.bench.decode import DecodeRun
-from cmpchat.bench.kernel_families import family_times, kernel_family
+from cmpchat.bench.kernel_families import FamilyTime, family_times, kernel_family
 from cmpchat.bench.limits import (
     CMP_READ_BANDWIDTH,
     cmp_projection,
@@ -84,8 +84,10 @@ def test_llama_bench_json_is_parsed_after_its_log_lines() -> None:
 
 def _report() -> DecodeReport:
     config_bytes = step_bytes(9_000_000_000, _config_stub(), 0)
+    families = [FamilyTime("GEMV", 129, 0.0029, 9_000_000_000, in_replay=0.0027),
+                FamilyTime("GDN", 48, 0.0003, 0, in_replay=0.00002)]  # fmt: skip
     run = DecodeRun(context=0, batch=1, tokens_per_second=300.0, bytes=config_bytes, limit=500.0,
-                    step_seconds=1 / 300, replay_seconds=0.0032)  # fmt: skip
+                    step_seconds=1 / 300, replay_seconds=0.0032, families=families)  # fmt: skip
     batched = DecodeRun(context=0, batch=4, tokens_per_second=900.0, bytes=config_bytes, limit=1900.0,
                         step_seconds=4 / 900)  # fmt: skip
     llama = parse_llama_bench_json(LLAMA_OUTPUT)
@@ -115,9 +117,12 @@ def test_report_shows_ratios_llama_and_the_labelled_projection() -> None:
     assert "201.5" in text and "1.49" in text  # llama.cpp at context 0, ours / llama
     assert "projection" in text and "46.6" in text and "70.4" in text
     assert "early launch on" in text
+    # Each family's own time and what it adds to the replay, which overlap makes smaller.
+    assert "   2900 µs" in text and "adds    2700 µs" in text and "adds      20 µs" in text
     data = decode_json(report)
     json.dumps(data)
     assert data["early_launch"] is True
+    assert [f["in_replay_us"] for f in data["runs"][0]["families"]] == [2700.0, 20.0]
     first = data["runs"][0]
     assert first["ratio_of_limit"] == pytest.approx(0.6) and first["llama_cpp_tok_s"] == 201.5
     assert data["runs"][1]["cmp_projection_tok_s"] is None  # projections are for batch 1 only

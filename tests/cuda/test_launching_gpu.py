@@ -142,3 +142,21 @@ def test_launch_overhead_eager_raw_and_graph(record_property):
     assert counter.copy_to_host()[0] == 6 * count
     assert timings["graph_us_per_launch"] < timings["eager_us_per_launch"]
     assert timings["raw_us_per_launch"] < timings["eager_us_per_launch"]
+
+
+def test_cost_in_replay_tells_a_heavy_group_from_a_light_one():
+    from cmpchat.cuda.profile import cost_in_replay
+
+    values = cuda.to_device(np.ones(1 << 24, np.float32))  # 64 MB: each pass is a read and a write from memory
+    counter = cuda.to_device(np.zeros(1, np.int32))
+    heavy = Launch(k.scale_all, (1 << 24) // 256, 256, (values, np.float32(1.0)))
+    light = Launch(k.count_launch, 1, 32, (counter,))
+    stream = cuda.stream()
+    launches = [heavy, light] * 20
+    for launch in launches:
+        launch.run(stream)  # compiled before the captures
+    stream.synchronize()
+    costs = cost_in_replay(launches, stream, lambda name: "heavy" if name.startswith("scale") else "light")
+    assert set(costs) == {"heavy", "light"}
+    # 20 passes over 128 MB take at least 0.2 ms on any GPU this runs on; 20 one-warp launches in a graph add little.
+    assert costs["heavy"] > 2e-4 and costs["light"] < costs["heavy"] / 5
