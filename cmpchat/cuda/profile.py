@@ -89,7 +89,8 @@ def cost_in_replay(
     """Per group of launches (`group_of(kernel name)`), the seconds a plain replay of all of them takes more
     than a replay with that group's launches left out: what the group costs where it runs among the others.
 
-    What stays reads buffers the left-out launches no longer write; no kernel's time depends on their values.
+    What stays reads buffers the left-out launches no longer write: fine for decode kernels, whose time depends
+    on sizes and on positions the host writes, not on the values they read.
     """
     if SIMULATOR:
         raise RuntimeError("profiling needs a GPU; the CUDA simulator has no timers")

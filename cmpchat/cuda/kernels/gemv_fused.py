@@ -23,8 +23,8 @@ dealt round the blocks, so each SM streams the same share of the matrix give or 
 (handing each block consecutive pairs left up to a quarter of the SMs idle at the end of 27B's ffn down).
 The per-lane sums add the steps in the same order whatever the variant, so every variant gives the same bits.
 Staging and the sum of squares issue four rounds of 16-byte loads before using any, and the staging's first
-four go out with the sum's, so the prologue costs about one L2 round trip, not one per round. Inputs wider than 4096 take one 24-warp block per SM, narrower
-ones one 16-warp block (`default_tiling`).
+four go out with the sum's, so the prologue costs about one L2 round trip, not one per round. Inputs wider
+than 4096 take one 24-warp block per SM, narrower ones one 16-warp block (`default_tiling`).
 """
 
 from __future__ import annotations
