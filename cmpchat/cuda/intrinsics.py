@@ -35,6 +35,8 @@ from numba.cuda import config
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 WARP_SIZE = 32
 MAX_BLOCK_THREADS = 1024
+EARLY_LAUNCH_CAPABILITY = (9, 0)
+"""Compute capability from which grid dependency control (griddepcontrol: early launches) exists."""
 
 
 def fma_f32_exact(a: float, b: float, c: float) -> np.float32:
@@ -404,8 +406,8 @@ else:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    GRID_DEPENDENCY_ARCH = 900
-    """__CUDA_ARCH from which griddepcontrol exists (compute capability 9.0)."""
+    GRID_DEPENDENCY_ARCH = 100 * EARLY_LAUNCH_CAPABILITY[0] + 10 * EARLY_LAUNCH_CAPABILITY[1]
+    """EARLY_LAUNCH_CAPABILITY as __CUDA_ARCH spells it (900)."""
 
     def _arch_at_least(builder: ir.IRBuilder, arch: int) -> ir.Value:
         """An i1: whether the code is being compiled for __CUDA_ARCH >= arch (a constant once NVVM reflects)."""

@@ -62,7 +62,6 @@ def profile_launches(launches: Sequence[Launch | RawLaunch], stream: Any, replay
     events = [check("cuEventCreate", driver.cuEventCreate(0)) for _ in range(len(raw) + 1)]
     try:
         timed = _capture_with_events(raw, events, handle)
-        plain = LaunchGraph.capture(raw, stream)
         samples: list[list[float]] = [[] for _ in raw]
         for _ in range(replays):
             check("cuGraphLaunch", driver.cuGraphLaunch(timed, handle))
@@ -71,8 +70,7 @@ def profile_launches(launches: Sequence[Launch | RawLaunch], stream: Any, replay
                 elapsed = check("cuEventElapsedTime", driver.cuEventElapsedTime(events[i], events[i + 1]))
                 samples[i].append(elapsed / 1e3)
         check("cuGraphExecDestroy", driver.cuGraphExecDestroy(timed))
-        replay = _time_replays(plain, stream, replays)
-        plain.close()
+        replay = _plain_replay_seconds(raw, stream, replays)
     finally:
         for event in events:
             driver.cuEventDestroy(event)
@@ -97,20 +95,12 @@ def cost_in_replay(
     raw = [item if isinstance(item, RawLaunch) else RawLaunch(item) for item in launches]
     groups = [group_of(launch.kernel_name) for launch in raw]
 
-    def replay_seconds(kept: list[RawLaunch]) -> float:
-        if not kept:
-            return 0.0
-        graph = LaunchGraph.capture(kept, stream)
-        try:
-            return _time_replays(graph, stream, replays)
-        finally:
-            graph.close()
-
-    full = replay_seconds(raw)
-    return {
-        group: full - replay_seconds([launch for launch, g in zip(raw, groups, strict=True) if g != group])
-        for group in dict.fromkeys(groups)
-    }
+    full = _plain_replay_seconds(raw, stream, replays)
+    costs = {}
+    for group in dict.fromkeys(groups):
+        kept = [launch for launch, g in zip(raw, groups, strict=True) if g != group]
+        costs[group] = full - _plain_replay_seconds(kept, stream, replays)
+    return costs
 
 
 def _capture_with_events(raw: list[RawLaunch], events: list[Any], handle: int) -> Any:
@@ -132,6 +122,17 @@ def _capture_with_events(raw: list[RawLaunch], events: list[Any], handle: int) -
         check("cuGraphDestroy", driver.cuGraphDestroy(graph))
     check("cuGraphUpload", driver.cuGraphUpload(graph_exec, handle))
     return graph_exec
+
+
+def _plain_replay_seconds(raw: list[RawLaunch], stream: Any, replays: int) -> float:
+    """Median seconds of one replay of `raw` captured as a plain graph (0 for no launches)."""
+    if not raw:
+        return 0.0
+    graph = LaunchGraph.capture(raw, stream)
+    try:
+        return _time_replays(graph, stream, replays)
+    finally:
+        graph.close()
 
 
 def _time_replays(graph: LaunchGraph, stream: Any, replays: int) -> float:

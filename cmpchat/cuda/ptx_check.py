@@ -36,10 +36,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from cmpchat.cuda.compile import KernelSpec
+from cmpchat.cuda.intrinsics import EARLY_LAUNCH_CAPABILITY
 from cmpchat.cuda.kernel_args import Param, kernel_params
 
 CMP_COMPUTE_CAPABILITY = (7, 0)
-EARLY_LAUNCH_COMPUTE_CAPABILITY = (9, 0)
 
 TENSOR_CORE_PROBE_KERNELS = frozenset({"cmpchat.cuda.kernels.tensor_core_probe.mma_chains"})
 """The only kernels allowed tensor-core instructions, by qualified name: `cmpchat doctor --tensor-cores`
@@ -250,7 +250,7 @@ def check_kernel(spec: KernelSpec, signature: str, ptxas: Path, ptx_dir: Path | 
 def early_launch_problems(spec: KernelSpec, signature: str) -> list[str]:
     """Why the kernel may not be launched early, judged from its compute_90 PTX (empty when it may)."""
     try:
-        ptx = compile_ptx(spec, signature, EARLY_LAUNCH_COMPUTE_CAPABILITY)
+        ptx = compile_ptx(spec, signature, EARLY_LAUNCH_CAPABILITY)
     except Exception as error:
         return [f"compile_ptx for compute_90 failed: {type(error).__name__}: {error}"]
     early = accesses_before_grid_wait(ptx)

@@ -28,7 +28,7 @@ from typing import Any
 
 from cmpchat.cuda.compile import is_early_launch
 from cmpchat.cuda.driver_api import SUCCESS, CudaDriverError, check, stream_handle
-from cmpchat.cuda.intrinsics import SIMULATOR
+from cmpchat.cuda.intrinsics import EARLY_LAUNCH_CAPABILITY, SIMULATOR
 from cmpchat.cuda.kernel_args import PackedParams, kernel_params, pack_params
 from cmpchat.cuda.launch import Dim, Launch
 
@@ -37,8 +37,6 @@ if not SIMULATOR:
 
 STATIC_SHARED_LIMIT = 48 * 1024
 """Dynamic shared memory above this needs the kernel attribute raised first (DESIGN.md)."""
-EARLY_LAUNCH_CAPABILITY = (9, 0)
-"""Programmatic dependent launch (griddepcontrol) exists from compute capability 9.0."""
 
 
 def early_launch_enabled() -> bool:
