@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from cmpchat.cuda.kernels.gemv import gemv_q8_launch
 from cmpchat.cuda.kernels.gemv_bench import QWEN_GEMV_SHAPES, SWEEP_SHAPES
@@ -21,7 +22,8 @@ SHAPES = [(model, *shape) for model, shapes in QWEN_GEMV_SHAPES.items() for shap
 def test_fused_equals_the_unfused_launches(
     model: str, name: str, rows: int, cols: int, mode: str, normed: bool
 ) -> None:
-    check_fused_equals_unfused(rows, cols, mode, normed, default_tiling(cols))
+    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    check_fused_equals_unfused(rows, cols, mode, normed, default_tiling(rows, cols, mode, sm_count))
 
 
 @pytest.mark.parametrize("steps", STEP_CHOICES)
@@ -34,8 +36,6 @@ def test_every_tiling_gives_the_same_bits(steps: int, groups: int, blocks_per_sm
 
 
 def check_fused_equals_unfused(rows: int, cols: int, mode: str, normed: bool, tiling: FusedGemvTiling) -> None:
-    from numba import cuda
-
     rng = np.random.default_rng(rows + cols)
     quants = cuda.to_device(rng.integers(-127, 128, (rows, cols), dtype=np.int8).view(np.uint32))
     scales = cuda.to_device((rng.standard_normal((rows, cols // 32)) * 0.01).astype(np.float16))

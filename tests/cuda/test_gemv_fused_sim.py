@@ -115,8 +115,15 @@ def test_epilogues_accumulate_and_swiglu() -> None:
     np.testing.assert_allclose(swiglu, silu(gate) * up, rtol=1e-4, atol=1e-4 * magnitude.max())
 
 
-def test_wide_inputs_take_one_large_block_per_sm() -> None:
-    assert default_tiling(4096) == NARROW_TILING and default_tiling(4096 + 32) == WIDE_TILING
+def test_wide_inputs_take_one_large_block_per_sm_when_a_narrow_grid_would_loop() -> None:
+    warps = 132 * NARROW_TILING.block_threads // 32  # the narrow grid's warps on 132 SMs (2112 on a GPU)
+    assert default_tiling(2 * warps + 2, 4096, "store", 132) == NARROW_TILING  # not wider than WIDE_COLUMNS
+    assert default_tiling(2 * warps + 2, 4096 + 32, "store", 132) == WIDE_TILING
+    assert default_tiling(2 * warps, 12288, "accumulate", 132) == NARROW_TILING  # a warp for each pair
+    assert default_tiling(2 * warps + 1, 12288, "store", 132) == WIDE_TILING  # one pair more (a lone row)
+    assert default_tiling(4 * warps, 12288, "swiglu", 132) == WIDE_TILING  # SwiGLU pairs gate with up rows
+    assert default_tiling(2 * warps, 12288, "swiglu", 132) == NARROW_TILING
+    assert default_tiling(2 * warps, 12288, "store", 80) == WIDE_TILING  # fewer SMs, fewer narrow warps
 
 
 def test_launcher_checks_shapes_and_sizes_shared_memory() -> None:

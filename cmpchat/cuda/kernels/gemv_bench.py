@@ -125,7 +125,8 @@ def benchmark_gemv(
     """Time the Q8_0 GEMV a decode step runs for this shape (needs a GPU): at one token the fused kernel,
     normalising its input unless it accumulates (as the step does), above that the batched kernel."""
     problem = _DeviceProblem(rows, cols, tokens, mode, seed, cycle_bytes)
-    seconds = problem.time(tiling or default_tiling(cols), repeats, warmup)
+    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    seconds = problem.time(tiling or default_tiling(rows, cols, mode, sm_count), repeats, warmup)
     return GemvTiming(name, rows, cols, tokens, mode, seconds, gemv_bytes_read(rows, cols, tokens, mode))
 
 
@@ -170,6 +171,7 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
     """Time each one-token tiling on every projection of `model` and print which is fastest for a whole step
     (each shape weighted by how often a step runs it), so the default can be chosen by measurement."""
     shape = MODEL_SHAPES[model]
+    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
     attention = sum(shape.is_attention(i) for i in range(shape.num_layers))
     runs = {"attn": attention, "gdn": shape.num_layers - attention, "ffn": shape.num_layers, "lm": 1}
     tilings = [FusedGemvTiling(steps, blocks, groups) for steps in STEP_CHOICES for groups, blocks in SWEEP_SHAPES]
@@ -182,7 +184,7 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
         nbytes = gemv_bytes_read(rows, cols, 1, mode)
         times = {tiling: problem.time(tiling, repeats, 3) for tiling in tilings}
         quantised = problem.time(None, repeats, 3)
-        default = times[default_tiling(cols)]
+        default = times[default_tiling(rows, cols, mode, sm_count)]
         per_token = runs[name.split()[0]]  # launches of this shape in a step
         for tiling, seconds in times.items():
             per_step[tiling] += per_token * seconds
@@ -206,7 +208,7 @@ def fixed_costs(model: str, repeats: int, limit: float) -> None:
           "its weight streamed at the read bandwidth, the excess, one row pair alone, the unfused kernel on a "
           "quantised input")  # fmt: skip
     for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
-        tiling = default_tiling(cols)
+        tiling = default_tiling(rows, cols, mode, sm_count)
         problem = _DeviceProblem(rows, cols, 1, mode, 0, 256 << 20)
         full, unfused = problem.time(tiling, repeats, 3), problem.time(None, repeats, 3)
         del problem

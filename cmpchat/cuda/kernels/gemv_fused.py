@@ -24,7 +24,8 @@ dealt round the blocks, so each SM streams the same share of the matrix give or 
 The per-lane sums add the steps in the same order whatever the variant, so every variant gives the same bits.
 Staging and the sum of squares issue four rounds of 16-byte loads before using any, and the staging's first
 four go out with the sum's, so the prologue costs about one L2 round trip, not one per round. Inputs wider
-than 4096 take one 24-warp block per SM, narrower ones one 16-warp block (`default_tiling`).
+than 4096 with more row pairs than 16 warps per SM take one 24-warp block per SM, the rest one 16-warp block
+(`default_tiling`).
 """
 
 from __future__ import annotations
@@ -139,9 +140,20 @@ three 8-warp blocks or one 24-warp block (the 9B step's GEMVs 2.70 -> 2.65 ms); 
 16 warps, ffn down 31.0 against 34.0)."""
 
 
-def default_tiling(cols: int) -> FusedGemvTiling:
-    """The tiling a launch with `cols` input columns gets unless told otherwise."""
-    return WIDE_TILING if cols > WIDE_COLUMNS else NARROW_TILING
+def row_pairs(rows: int, mode: str) -> int:
+    """Row pairs a launch deals out: (gate, up) pairs for SwiGLU, else neighbours (the last one may be alone)."""
+    return rows // 2 if mode == "swiglu" else (rows + 1) // 2
+
+
+def default_tiling(rows: int, cols: int, mode: str, sm_count: int) -> FusedGemvTiling:
+    """The tiling a launch gets unless told otherwise: WIDE_TILING for inputs wider than WIDE_COLUMNS, unless
+    NARROW_TILING's grid has a warp for every row pair. Measured in whole steps (A/B, H200, 2026-12-01, same
+    bits): 9B's ffn down (4096 rows, 12288 columns: 2048 pairs for 2112 narrow warps) on 16-warp blocks made the
+    step 2.811 -> 2.793 ms at context 0 (3.220 -> 3.200 at 32K), while every 27B input (2560 pairs or more) on
+    them made its step 8.36 -> 8.51 ms."""
+    narrow_warps = sm_count * NARROW_TILING.blocks_per_sm * NARROW_TILING.block_threads // WARP_SIZE
+    wide = cols > WIDE_COLUMNS and row_pairs(rows, mode) > narrow_warps
+    return WIDE_TILING if wide else NARROW_TILING
 
 
 @cuda.jit(device=True, inline=True)
@@ -354,10 +366,10 @@ def gemv_q8_fused_launch(
     for array, name in ((weight_quants, "weight quants"), (x, "x")):
         check_aligned(array, name)
     if tiling is None:
-        tiling = default_tiling(cols)
+        tiling = default_tiling(rows, cols, mode, sm_count)
     # No more blocks than the pairs fill: each block stages the whole input (spreading 9B's 4096-row outputs
     # over every block slot made them 0.6-1.1 µs slower on an H200).
-    pairs = rows // 2 if mode == "swiglu" else (rows + 1) // 2
+    pairs = row_pairs(rows, mode)
     warps = tiling.block_threads // WARP_SIZE
     grid = max(1, min(-(-pairs // warps), sm_count * tiling.blocks_per_sm))
     args = (
