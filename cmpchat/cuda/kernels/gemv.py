@@ -342,6 +342,12 @@ def output_shape(rows: int, tokens: int, mode: str) -> tuple[int, int]:
     return (tokens, rows // 2) if mode == "swiglu" else (tokens, rows)
 
 
+def row_pairs(rows: int, mode: str) -> int:
+    """Row pairs a launch deals out (`pair_rows`): (gate, up) pairs for SwiGLU, else neighbours (the last one
+    may be alone)."""
+    return rows // 2 if mode == "swiglu" else (rows + 1) // 2
+
+
 def check_aligned(array: Any, name: str, alignment: int = 16) -> None:
     """16-byte loads need 16-byte aligned rows; device allocations are, offset views may not be."""
     interface = getattr(array, "__cuda_array_interface__", None)
@@ -374,8 +380,7 @@ def gemv_q8_launch(
     """
     rows, words, tokens, code = check_q8_matmul(weight_quants, weight_scales, x_quants, x_scales, out, mode)
     bucket = token_bucket(tokens)
-    pairs = rows // 2 if mode == "swiglu" else (rows + 1) // 2
-    grid = (pairs + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
+    grid = (row_pairs(rows, mode) + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
     args = (
         weight_quants.reshape(-1), weight_scales.reshape(-1), x_quants.reshape(-1), x_scales.reshape(-1),
         out.reshape(-1), np.int32(rows), np.int32(words), np.int32(tokens), np.int32(code),

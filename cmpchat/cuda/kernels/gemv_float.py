@@ -37,6 +37,7 @@ from cmpchat.cuda.kernels.gemv import (
     fold,
     output_shape,
     pair_rows,
+    row_pairs,
     silu_f32,
     token_bucket,
 )
@@ -190,8 +191,7 @@ def gemv_float_launch(weight: Any, x: Any, out: Any, *, mode: str = "store", bf1
     code = check_mode(mode, rows)
     check_array(out, "out", np.float32, 2, output_shape(rows, tokens, mode))
     check_aligned(weight, "weight")
-    pairs = rows // 2 if mode == "swiglu" else (rows + 1) // 2
-    grid = (pairs + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
+    grid = (row_pairs(rows, mode) + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK
     words = weight.reshape(-1).view(np.uint32)
     args = (words, x.reshape(-1), out.reshape(-1), np.int32(rows), np.int32(cols), np.int32(tokens), np.int32(code))
     return Launch(GEMV_FLOAT[(WEIGHT_KINDS[kind_name], bucket)], grid, BLOCK_THREADS, args)

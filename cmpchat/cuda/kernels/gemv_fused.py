@@ -63,6 +63,7 @@ from cmpchat.cuda.kernels.gemv import (
     fold,
     output_shape,
     pair_rows,
+    row_pairs,
     silu_f32,
     staged_index,
 )
@@ -133,16 +134,12 @@ class FusedGemvTiling:
 NARROW_TILING = FusedGemvTiling(steps=4, blocks_per_sm=1, groups=2)
 WIDE_TILING = FusedGemvTiling(steps=4, blocks_per_sm=1, groups=3)
 WIDE_COLUMNS = 4096
-"""Inputs wider than this take WIDE_TILING. Measured (`gemv_bench --sweep`, H200, 2026-12-01, after the launch
-bounds): on the 9B shapes' 4096-column inputs one 16-warp block per SM is 0.1-0.5 µs faster per launch than
-three 8-warp blocks or one 24-warp block (the 9B step's GEMVs 2.70 -> 2.65 ms); on the 27B's wider inputs one
-24-warp block per SM is as fast or faster on the shapes a step runs most (ffn gate+up 50.5 against 51.1 µs for
-16 warps, ffn down 31.0 against 34.0)."""
-
-
-def row_pairs(rows: int, mode: str) -> int:
-    """Row pairs a launch deals out: (gate, up) pairs for SwiGLU, else neighbours (the last one may be alone)."""
-    return rows // 2 if mode == "swiglu" else (rows + 1) // 2
+"""Inputs wider than this take WIDE_TILING when they have more row pairs than NARROW_TILING has warps
+(`default_tiling`). Measured (`gemv_bench --sweep`, H200, 2026-12-01, after the launch bounds): on the 9B
+shapes' 4096-column inputs one 16-warp block per SM is 0.1-0.5 µs faster per launch than three 8-warp blocks or
+one 24-warp block (the 9B step's GEMVs 2.70 -> 2.65 ms); on the 27B's wider inputs one 24-warp block per SM is
+as fast or faster on the shapes a step runs most (ffn gate+up 50.5 against 51.1 µs for 16 warps, ffn down 31.0
+against 34.0)."""
 
 
 def default_tiling(rows: int, cols: int, mode: str, sm_count: int) -> FusedGemvTiling:
