@@ -125,8 +125,7 @@ def benchmark_gemv(
     """Time the Q8_0 GEMV a decode step runs for this shape (needs a GPU): at one token the fused kernel,
     normalising its input unless it accumulates (as the step does), above that the batched kernel."""
     problem = _DeviceProblem(rows, cols, tokens, mode, seed, cycle_bytes)
-    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    seconds = problem.time(tiling or default_tiling(rows, cols, mode, sm_count), repeats, warmup)
+    seconds = problem.time(tiling or problem.default_tiling, repeats, warmup)
     return GemvTiming(name, rows, cols, tokens, mode, seconds, gemv_bytes_read(rows, cols, tokens, mode))
 
 
@@ -147,15 +146,17 @@ class _DeviceProblem:
         self.x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
         self.out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
         self.tokens, self.mode = tokens, mode
+        self.sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+        self.default_tiling = default_tiling(rows, cols, mode, self.sm_count)
+        """The one-token tiling a decode step's launch of this shape gets."""
 
     def time(self, tiling: FusedGemvTiling | None, repeats: int, warmup: int) -> float:
         """Seconds per launch (tiling None: the unfused kernel on the quantised input at any token count)."""
-        sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
         launches = []
         for quants, scales in self.weights:
             if self.tokens == 1 and tiling is not None:
                 launch = gemv_q8_fused_launch(quants, scales, self.x, self.out, mode=self.mode, norm_weight=self.norm,
-                                              eps=1e-6, sm_count=sm_count, tiling=tiling)  # fmt: skip
+                                              eps=1e-6, sm_count=self.sm_count, tiling=tiling)  # fmt: skip
             else:
                 launch = gemv_q8_launch(quants, scales, self.x_quants, self.x_scales, self.out, mode=self.mode)
             launches.append(launch)
@@ -171,7 +172,6 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
     """Time each one-token tiling on every projection of `model` and print which is fastest for a whole step
     (each shape weighted by how often a step runs it), so the default can be chosen by measurement."""
     shape = MODEL_SHAPES[model]
-    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
     attention = sum(shape.is_attention(i) for i in range(shape.num_layers))
     runs = {"attn": attention, "gdn": shape.num_layers - attention, "ffn": shape.num_layers, "lm": 1}
     tilings = [FusedGemvTiling(steps, blocks, groups) for steps in STEP_CHOICES for groups, blocks in SWEEP_SHAPES]
@@ -184,7 +184,7 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
         nbytes = gemv_bytes_read(rows, cols, 1, mode)
         times = {tiling: problem.time(tiling, repeats, 3) for tiling in tilings}
         quantised = problem.time(None, repeats, 3)
-        default = times[default_tiling(rows, cols, mode, sm_count)]
+        default = times[problem.default_tiling]
         per_token = runs[name.split()[0]]  # launches of this shape in a step
         for tiling, seconds in times.items():
             per_step[tiling] += per_token * seconds
@@ -208,8 +208,8 @@ def fixed_costs(model: str, repeats: int, limit: float) -> None:
           "its weight streamed at the read bandwidth, the excess, one row pair alone, the unfused kernel on a "
           "quantised input")  # fmt: skip
     for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
-        tiling = default_tiling(rows, cols, mode, sm_count)
         problem = _DeviceProblem(rows, cols, 1, mode, 0, 256 << 20)
+        tiling = problem.default_tiling  # the one-pair problem below runs the full shape's tiling
         full, unfused = problem.time(tiling, repeats, 3), problem.time(None, repeats, 3)
         del problem
         one_pair = _DeviceProblem(4 if mode == "swiglu" else 2, cols, 1, mode, 0, 16 << 20).time(tiling, repeats, 3)
