@@ -3,10 +3,9 @@
 The public API is `open_model` and what it returns; see README.md ("Python API").
 """
 
+from cmpchat.api import Model, open_model
 from cmpchat.chat.messages import ImagePart, Message, TextPart, ToolCall
-from cmpchat.engine import Model, open_model
-from cmpchat.errors import CmpchatError
-from cmpchat.generation.events import (
+from cmpchat.engine.events import (
     ContentDelta,
     DecodeProgress,
     Finished,
@@ -15,8 +14,9 @@ from cmpchat.generation.events import (
     Timings,
     ToolCallEvent,
 )
-from cmpchat.generation.generator import GenerationOptions
-from cmpchat.generation.sampling import SamplingParams
+from cmpchat.engine.generator import GenerationOptions
+from cmpchat.errors import CmpchatError
+from cmpchat.sampling import SamplingParams
 
 __version__ = "0.1.0"
 

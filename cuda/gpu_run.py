@@ -1,6 +1,6 @@
 """The GPU test run behind `cuda/gpu_run.sh` (which installs the carried wheels first; run that, not this).
 
-Phases, each timed: the environment (versions, GPU), the GPU self-test (tests/cuda/test_gpu_selftest.py:
+Phases, each timed: the environment (versions, GPU), the GPU self-test (tests/kernels/test_gpu_selftest.py:
 intrinsics, raw launch, graph replay; if it fails nothing else runs), then every test module that has GPU
 tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in full and bench modes the
 benchmarks (`cmpchat bench decode` on the 9B and 27B shapes, with llama.cpp when the archive that
@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SELFTEST = "tests/cuda/test_gpu_selftest.py"
+SELFTEST = "tests/kernels/test_gpu_selftest.py"
 PACKAGES = ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "gguf", "pytest", "torch")
 MARKERS = {"quick": "gpu and not slow", "full": "gpu"}
 BENCH_FOLDER = "/tmp/cmpchat-bench"  # benchmark model files (tens of GB): built once per machine
@@ -96,8 +96,8 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
     sweeps (sweep mode: each compiles and times dozens of kernel variants, so they get a device call of
     their own)."""
     kernel_shapes = [s for s in shapes if s in ("9B", "27B")]
-    gemv = [sys.executable, "-m", "cmpchat.cuda.kernels.gemv_bench", *kernel_shapes]
-    gemm = [sys.executable, "-m", "cmpchat.cuda.kernels.gemm_bench", *kernel_shapes, "--tokens", "256", "512", "2048"]
+    gemv = [sys.executable, "-m", "cmpchat.bench.kernels.gemv", *kernel_shapes]
+    gemm = [sys.executable, "-m", "cmpchat.bench.kernels.gemm", *kernel_shapes, "--tokens", "256", "512", "2048"]
     llama = []
     if LLAMA_ARCHIVE.exists() and mode != "sweep":
         subprocess.run(["tar", "xf", str(LLAMA_ARCHIVE), "-C", "/tmp"], check=True)
@@ -106,7 +106,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
         commands = {
             "gemv_sweep": [*gemv, "--sweep"],
             "gemv_fixed_costs": [*gemv, "--fixed-costs"],
-            "attention_sweep": [sys.executable, "-m", "cmpchat.cuda.kernels.attention_bench"],
+            "attention_sweep": [sys.executable, "-m", "cmpchat.bench.kernels.attention"],
             "gemm_sweep": [*gemm, "--sweep"],
         }
     elif mode == "prefill":
@@ -119,7 +119,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
             "attention_prefill": [
                 sys.executable,
                 "-m",
-                "cmpchat.cuda.kernels.attention_prefill",
+                "cmpchat.bench.kernels.attention_prefill",
                 *kernel_shapes,
                 "--context",
                 "256",
@@ -130,7 +130,7 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
             "gdn_chunked": [
                 sys.executable,
                 "-m",
-                "cmpchat.cuda.kernels.gated_deltanet_chunked",
+                "cmpchat.bench.kernels.gdn_chunked",
                 *kernel_shapes,
                 "--tokens",
                 "1160",

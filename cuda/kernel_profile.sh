@@ -4,7 +4,7 @@
 # kernel whose name matches KERNEL while COMMAND runs, and summarises it with cuda/sass_hotspots.py.
 #
 #   bash cuda/kernel_profile.sh KERNEL [KERNEL...] -- COMMAND...
-#   bash cuda/kernel_profile.sh gdn_chunk_state gdn_chunk_prepare -- python3 -m cmpchat.cuda.kernels.gated_deltanet_chunked 9B --tokens 16384
+#   bash cuda/kernel_profile.sh gdn_chunk_state gdn_chunk_prepare -- python3 -m cmpchat.bench.kernels.gdn_chunked 9B --tokens 16384
 #
 # Per kernel, in $OUT (or out/kernel-profile/): NAME.csv (every SASS instruction with its executions and stall
 # samples), NAME.txt (speed of light, occupancy, stall reasons) and NAME.summary.txt (opcode mix and the

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from cmpchat.generation.sampling import SamplingParams, sample_token
 from cmpchat.model.config import ModelConfig
+from cmpchat.sampling import SamplingParams, sample_token
 
 
 class Choice:

@@ -17,10 +17,10 @@ import numpy as np
 
 from cmpchat.bench.kernel_families import FamilyTime, family_times, kernel_family
 from cmpchat.bench.limits import StepBytes, cmp_projection, limit_tokens_per_second, step_bytes
-from cmpchat.generation.sampling import SamplingParams
+from cmpchat.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from cmpchat.backends.cuda.model import CudaBackend, CudaSequence
+    from cmpchat.backends.gpu.model import CudaBackend, CudaSequence
 
 WARMUP_STEPS = 8
 
@@ -104,7 +104,7 @@ def run_decode(
 ) -> list[DecodeRun]:
     """The phase's batch-1 runs, one per context (profiled), then its batched runs."""
     contexts, batches = phase.contexts, phase.batches
-    from cmpchat.cuda.profile import cost_in_replay, profile_launches
+    from cmpchat.cudart.profile import cost_in_replay, profile_launches
 
     config = backend.config
     runs = []

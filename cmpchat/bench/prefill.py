@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
+from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS
 from cmpchat.bench.kernel_families import FamilyTime, family_times
 from cmpchat.bench.limits import CMP_READ_BANDWIDTH
 
 if TYPE_CHECKING:
-    from cmpchat.backends.cuda.model import CudaBackend
+    from cmpchat.backends.gpu.model import CudaBackend
 
 PUBLISHED_CMP_9B_PREFILL = {
     "llama.cpp": {297: 199, 1160: 316, 4620: 361, 18440: 324},
@@ -127,7 +127,7 @@ def run_prefill(
 
 def gemm_ops_per_step(backend: CudaBackend) -> int:
     """Ops of a long-prompt step's GEMMs: 2 x PROMPT_ROWS per weight of every layer's matrices."""
-    from cmpchat.backends.cuda.weights import AttentionWeights
+    from cmpchat.backends.gpu.weights import AttentionWeights
 
     weights = 0
     for layer in backend.weights.layers:

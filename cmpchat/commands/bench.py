@@ -53,7 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _require_gpu() -> None:
-    from cmpchat.backends.cuda.device import cuda_gpu_present
+    from cmpchat.backends.gpu.device import cuda_gpu_present
 
     if not cuda_gpu_present():
         raise CmpchatError("cmpchat bench needs an NVIDIA GPU with a working driver; none is usable here")
@@ -71,12 +71,12 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
 
 
 def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
-    from cmpchat.backends.cuda.model import CudaBackend, CudaSequence
+    from cmpchat.backends.gpu.model import CudaBackend, CudaSequence
     from cmpchat.bench.llama_cpp import prompt_command, run_llama_bench
     from cmpchat.bench.prefill import PrefillRates, run_prefill
     from cmpchat.bench.report import format_prefill, prefill_json
-    from cmpchat.cuda.kernels.throughput_probes import DP4A_PROBE, OPS_PER_DP4A, compute_rate, streaming_read_bandwidth
-    from cmpchat.cuda.profile import profile_launches
+    from cmpchat.cudart.profile import profile_launches
+    from cmpchat.kernels.throughput_probes import DP4A_PROBE, OPS_PER_DP4A, compute_rate, streaming_read_bandwidth
     from cmpchat.model.gguf_file import ModelFile
 
     progress = StderrProgress()
@@ -123,13 +123,13 @@ def run_decode_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeReport:
-    from cmpchat.backends.cuda.model import CudaBackend
+    from cmpchat.backends.gpu.model import CudaBackend
     from cmpchat.bench.decode import WARMUP_STEPS, plan_phases, run_decode
     from cmpchat.bench.limits import weight_bytes_per_step
     from cmpchat.bench.llama_cpp import decode_command, run_llama_bench
     from cmpchat.bench.report import DecodeReport, format_decode
-    from cmpchat.cuda.kernels.throughput_probes import streaming_read_bandwidth
-    from cmpchat.cuda.raw_launch import early_launch_enabled
+    from cmpchat.cudart.raw_launch import early_launch_enabled
+    from cmpchat.kernels.throughput_probes import streaming_read_bandwidth
     from cmpchat.model.config import ModelConfig
     from cmpchat.model.gguf_file import ModelFile
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cmpchat.engine import BACKENDS
+from cmpchat.api import BACKENDS
 from cmpchat.errors import CmpchatError
 
 

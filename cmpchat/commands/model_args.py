@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cmpchat.backends.cuda.device import parse_size
+from cmpchat.api import BACKENDS, Model, open_model
+from cmpchat.backends.gpu.device import parse_size
 from cmpchat.commands.progress import StderrProgress
 from cmpchat.demo import DEMO_NOTICE
-from cmpchat.engine import BACKENDS, Model, open_model
 from cmpchat.long_lived import freeze_loaded
 
 

@@ -8,10 +8,10 @@ import sys
 
 from cmpchat.chat.messages import Message
 from cmpchat.commands.model_args import add_model_arguments, open_from_args
+from cmpchat.engine.events import ContentDelta, Finished, ReasoningDelta, ToolCallEvent
+from cmpchat.engine.generator import GenerationOptions
 from cmpchat.errors import CmpchatError
-from cmpchat.generation.events import ContentDelta, Finished, ReasoningDelta, ToolCallEvent
-from cmpchat.generation.generator import GenerationOptions
-from cmpchat.generation.sampling import SamplingParams
+from cmpchat.sampling import SamplingParams
 
 _DIM, _RESET = "\x1b[2m", "\x1b[0m"
 

@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from cmpchat.api import Model
 from cmpchat.commands.model_args import add_model_arguments, open_from_args
-from cmpchat.engine import Model
 from cmpchat.errors import CmpchatError
 from cmpchat.server.settings import ServerSettings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cmpchat.backends.cuda.device import cuda_gpu_present
+from cmpchat.backends.gpu.device import cuda_gpu_present
 from cmpchat.doctor.measurements import GpuMeasurements
 from cmpchat.errors import CmpchatError
 
@@ -83,7 +83,7 @@ def measure_gpu(
     from numba import cuda
     from numba.cuda.cudadrv.error import CudaDriverError
 
-    from cmpchat.cuda.kernels import throughput_probes as probes
+    from cmpchat.kernels import throughput_probes as probes
 
     steps: list[tuple[str, Callable[[], object]]] = [
         ("streaming read", lambda: probes.streaming_read_bandwidth(sizes.read_bytes, sizes.read_repeats)),
@@ -93,7 +93,7 @@ def measure_gpu(
         ("FFMA", lambda: probes.compute_rate(probes.FFMA_PROBE, sizes.seconds_per_launch, sizes.compute_repeats)),
     ]
     if tensor_cores:
-        from cmpchat.cuda.kernels.tensor_core_probe import mma_rate
+        from cmpchat.kernels.tensor_core_probe import mma_rate
 
         steps.append(("tensor cores", lambda: mma_rate(sizes.seconds_per_launch, sizes.compute_repeats)))
     steps += [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,8 @@ from pathlib import Path
 import platformdirs
 
 from cmpchat.model.config import ARCHITECTURE
+from cmpchat.model.gguf_parse import read_scalar_metadata
 
-_HEADER_BYTES = 256 * 1024
 _MAX_DEPTH = 6
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _PROJECTOR_ARCHITECTURES = frozenset({"clip", "mmproj"})
@@ -88,7 +87,7 @@ def find_models(roots: Sequence[SearchRoot] | None = None) -> list[FoundModel]:
                 if shard and int(shard.group(1)) != 1:
                     continue
                 path = folder / file_name
-                header = read_header(path)
+                header = read_scalar_metadata(path)
                 if header is None:
                     continue
                 if _is_projector(file_name, header):
@@ -108,43 +107,6 @@ def find_models(roots: Sequence[SearchRoot] | None = None) -> list[FoundModel]:
                     projector=_pick_projector(path, projectors),
                 )
     return sorted(found.values(), key=lambda model: (not model.supported, model.name.lower(), str(model.path)))
-
-
-def read_header(path: Path) -> dict[str, object] | None:
-    """The scalar metadata at the start of a GGUF file, up to its first array; None if it is not GGUF."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(_HEADER_BYTES)
-    except OSError:
-        return None
-    if len(data) < 24 or data[:4] != b"GGUF":
-        return None
-    values: dict[str, object] = {}
-    offset = 24  # magic, version, tensor count, key count
-    try:
-        (count,) = struct.unpack_from("<Q", data, 16)
-        for _ in range(count):
-            (length,) = struct.unpack_from("<Q", data, offset)
-            key = data[offset + 8 : offset + 8 + length].decode("utf-8", "replace")
-            offset += 8 + length
-            (kind,) = struct.unpack_from("<I", data, offset)
-            offset += 4
-            if kind == 8:  # string
-                (length,) = struct.unpack_from("<Q", data, offset)
-                values[key] = data[offset + 8 : offset + 8 + length].decode("utf-8", "replace")
-                offset += 8 + length
-            elif kind in _SCALAR_FORMATS:
-                fmt = _SCALAR_FORMATS[kind]
-                (values[key],) = struct.unpack_from(fmt, data, offset)
-                offset += struct.calcsize(fmt)
-            else:
-                break  # an array (the vocabulary): the keys we want come before it
-    except struct.error:
-        pass  # header longer than what was read: keep what was found
-    return values
-
-
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
 def _is_projector(file_name: str, header: dict[str, object]) -> bool:

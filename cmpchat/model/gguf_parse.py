@@ -101,6 +101,34 @@ class _Cursor:
         return self.array(_SCALARS[value_type], 1).tolist()[0]
 
 
+def read_scalar_metadata(path: Path, limit: int = 256 * 1024) -> dict[str, Any] | None:
+    """The scalar metadata at the start of a GGUF file, up to its first array (the vocabulary), from its first
+    `limit` bytes: a quick look for model pickers. None if the file cannot be read or is not GGUF."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(limit)
+    except OSError:
+        return None
+    if head[:4] != GGUF_MAGIC:
+        return None
+    cursor = _Cursor(memoryview(head))
+    cursor.offset = 4
+    values: dict[str, Any] = {}
+    try:
+        if cursor.unpack("<I") not in SUPPORTED_VERSIONS:
+            return None
+        _, field_count = cursor.unpack("<QQ")
+        for _ in range(field_count):
+            key = cursor.string()
+            value_type = GGUFValueType(cursor.unpack("<I"))
+            if value_type == GGUFValueType.ARRAY:
+                break
+            values[key] = cursor.value(value_type)
+    except (_Truncated, ValueError):
+        pass  # a header longer than what was read, or damaged: keep what was found
+    return values
+
+
 def parse(path: Path) -> tuple[np.ndarray, dict[str, Any], dict[str, TensorInfo]]:
     """(the file as a read-only uint8 array, metadata, tensor index); `CmpchatError` for unusable files."""
     name = path.name

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cmpchat.generation.scheduling import BatchEngine, EngineStats
+from cmpchat.engine.batch import BatchEngine
+from cmpchat.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

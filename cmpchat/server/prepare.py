@@ -11,13 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from cmpchat.api import Model
 from cmpchat.chat.messages import Message, TextPart, Tool, ToolCall
 from cmpchat.chat.output_parser import new_call_id
-from cmpchat.engine import Model
+from cmpchat.engine.reply import GenerationOptions
+from cmpchat.engine.request import GenerationRequest
 from cmpchat.errors import CmpchatError
-from cmpchat.generation.reply import GenerationOptions
-from cmpchat.generation.sampling import SamplingParams
-from cmpchat.generation.scheduling import GenerationRequest
+from cmpchat.sampling import SamplingParams
 from cmpchat.server.errors import ApiError
 from cmpchat.server.schemas import (
     ChatCompletionRequest,

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cmpchat.chat.messages import ToolCall
-from cmpchat.generation.events import ContentDelta, Finished, ReasoningDelta, ToolCallEvent
-from cmpchat.generation.scheduling import EngineEvent, Failed, Started
+from cmpchat.engine.events import ContentDelta, Finished, ReasoningDelta, ToolCallEvent
+from cmpchat.engine.request import EngineEvent, Failed, Started
 from cmpchat.server.errors import error_body
 
 Kind = Literal["chat", "text"]

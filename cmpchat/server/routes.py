@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cmpchat.engine import Model
+from cmpchat.api import Model
 from cmpchat.server.errors import ApiError, error_body
 from cmpchat.server.guard import read_json
 from cmpchat.server.metrics import CONTENT_TYPE, render_metrics

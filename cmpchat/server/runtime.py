@@ -15,18 +15,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from enum import Enum
 from pathlib import Path
 
-from cmpchat.engine import Model
+from cmpchat.api import Model
+from cmpchat.engine.batch import BatchEngine
+from cmpchat.engine.events import Finished
+from cmpchat.engine.request import EngineEvent, EngineStopped, Failed, GenerationRequest, QueueFull, RequestHandle
 from cmpchat.errors import CmpchatError
-from cmpchat.generation.events import Finished
-from cmpchat.generation.scheduling import (
-    BatchEngine,
-    EngineEvent,
-    EngineStopped,
-    Failed,
-    GenerationRequest,
-    QueueFull,
-    RequestHandle,
-)
 from cmpchat.server.errors import ApiError
 from cmpchat.server.settings import ServerSettings
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cmpchat.generation.sampling import SamplingParams
+from cmpchat.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

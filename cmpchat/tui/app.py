@@ -20,7 +20,7 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.reactive import var
 
-from cmpchat.engine import Model
+from cmpchat.api import Model
 from cmpchat.errors import CmpchatError
 from cmpchat.history.images import ImageStore
 from cmpchat.history.store import HistoryStore, SearchHit

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from cmpchat.engine import Model, open_model
+from cmpchat.api import Model, open_model
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cmpchat.chat.messages import ToolCall
-from cmpchat.generation.events import (
+from cmpchat.engine.events import (
     ContentDelta,
     DecodeProgress,
     Finished,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cmpchat.chat.messages import ImagePart, Message, TextPart, ToolCall
-from cmpchat.generation.events import Finished
+from cmpchat.engine.events import Finished
 from cmpchat.history.images import ImageStore
 from cmpchat.history.store import ChatRecord, HistoryStore, MessageRecord, MessageStatus
 from cmpchat.tui.settings import ChatOptions

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cmpchat.generation.generator import GenerationOptions
-from cmpchat.generation.sampling import SamplingParams
+from cmpchat.engine.generator import GenerationOptions
 from cmpchat.paths import config_dir, data_dir
+from cmpchat.sampling import SamplingParams
 
 
 @dataclass(slots=True)

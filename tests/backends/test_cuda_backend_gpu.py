@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cmpchat.backends.cuda.model import CudaBackend
-from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
+from cmpchat.backends.gpu.model import CudaBackend
+from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS
 from cmpchat.backends.reference.model import ReferenceBackend
-from cmpchat.cuda.kernels.gemv import TOKEN_BUCKETS
-from cmpchat.cuda.raw_launch import RawLaunch, early_launch_enabled
+from cmpchat.cudart.raw_launch import RawLaunch, early_launch_enabled
 from cmpchat.demo import ensure_demo_model
 from cmpchat.errors import CmpchatError
+from cmpchat.kernels.gemv import TOKEN_BUCKETS
 from cmpchat.model.gguf_file import ModelFile
 
 pytestmark = pytest.mark.gpu
@@ -181,7 +181,7 @@ def test_warm_up_prepares_the_first_turn_and_leaves_no_trace():
 def test_tokens_selected_on_the_gpu_are_the_argmax_of_each_steps_logits():
     # A prompt's logits lie in a chunk's last row or in the long-prompt step's buffer, a decode step's in
     # row 0: the selection must read each (its graphs were once bound to the first buffer they saw).
-    from cmpchat.generation.sampling import SamplingParams
+    from cmpchat.sampling import SamplingParams
 
     gpu = CudaBackend(ModelFile(ensure_demo_model()), context=4096)
     gpu.warm_up()
@@ -200,8 +200,8 @@ def test_the_generator_feeds_each_choice_on_the_gpu_and_gets_the_host_fed_tokens
     # The generator queues each step with the selection's ids still on the GPU (decode_chosen) and reads
     # them while it runs: its greedy reply must be the host-fed argmax loop's, and a seeded sampled reply
     # the same twice.
-    from cmpchat.generation.generator import GenerationOptions, Generator
-    from cmpchat.generation.sampling import SamplingParams
+    from cmpchat.engine.generator import GenerationOptions, Generator
+    from cmpchat.sampling import SamplingParams
     from cmpchat.tokenizer import Tokenizer
 
     model_file = ModelFile(ensure_demo_model())
@@ -247,7 +247,7 @@ def test_a_model_that_does_not_fit_is_refused_with_numbers():
 
 
 def test_selection_happens_on_the_gpu():
-    from cmpchat.generation.sampling import SamplingParams
+    from cmpchat.sampling import SamplingParams
 
     gpu = CudaBackend(ModelFile(ensure_demo_model()), sequences=2, context=4096)
     first, second = gpu.new_sequence(), gpu.new_sequence()

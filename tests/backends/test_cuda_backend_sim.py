@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cmpchat.backends.cuda.model import CudaBackend
+from cmpchat.backends.gpu.model import CudaBackend
 from cmpchat.backends.reference.model import ReferenceBackend
 from cmpchat.model.gguf_file import ModelFile
 

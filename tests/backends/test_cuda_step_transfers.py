@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from cmpchat.backends.cuda.model import CudaBackend
-from cmpchat.backends.cuda.sampler import WINDOW, GpuSampler
-from cmpchat.backends.cuda.step import MAX_ROWS, StepBuffers
-from cmpchat.cuda.kernels.sampling import (
+from cmpchat.backends.gpu.model import CudaBackend
+from cmpchat.backends.gpu.sampler import WINDOW, GpuSampler
+from cmpchat.backends.gpu.step import MAX_ROWS, StepBuffers
+from cmpchat.errors import CmpchatError
+from cmpchat.kernels.sampling import (
     SamplingWorkspace,
     greedy_launches,
     pack_params,
@@ -26,10 +27,9 @@ from cmpchat.cuda.kernels.sampling import (
     sampling_launches,
     window_from_histories,
 )
-from cmpchat.errors import CmpchatError
-from cmpchat.generation.sampling import SamplingParams, sample_token
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
+from cmpchat.sampling import SamplingParams, sample_token
 
 ON_DEVICE = [pytest.param("simulator", id="sim"), pytest.param("gpu", id="gpu", marks=pytest.mark.gpu)]
 """Each test runs once: under the simulator by default, on the GPU with `-m gpu`."""

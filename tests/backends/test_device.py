@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cmpchat.backends.cuda.device import GpuInfo, cuda_gpu_present, parse_size, usable_bytes
+from cmpchat.backends.gpu.device import GpuInfo, cuda_gpu_present, parse_size, usable_bytes
 from cmpchat.errors import CmpchatError
 
 GIB = 2**30

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cmpchat.backends.cuda.memory_plan import plan_memory
+from cmpchat.backends.gpu.memory_plan import plan_memory
 from cmpchat.errors import CmpchatError
 from cmpchat.model.builder import MODEL_SHAPES, tensor_specs
 from cmpchat.model.config import LayerKind, ModelConfig
@@ -75,7 +75,7 @@ def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_
     counted on the CPU), and it stays small beside the weights (the 0.8B's 43 MB on 132 SMs: 5.4%)."""
     from dataclasses import fields, is_dataclass
 
-    from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS, PromptBuffers
+    from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
 
     config, weights, largest = config_of(shape_name)
     reserved = PromptBuffers.reserved_bytes(config, sm_count, PROMPT_ROWS)

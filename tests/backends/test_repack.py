@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cmpchat.backends.cuda.repack import q8_0_row_chunks
+from cmpchat.backends.gpu.repack import q8_0_row_chunks
 from cmpchat.model.gguf_file import ModelFile
 
 

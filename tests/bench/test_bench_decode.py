@@ -141,7 +141,7 @@ def test_bench_without_a_gpu_says_so_in_one_line(capsys: pytest.CaptureFixture[s
 
 
 def test_profile_attribution_adds_up_to_the_replay() -> None:
-    from cmpchat.cuda.profile import LaunchTimings
+    from cmpchat.cudart.profile import LaunchTimings
 
     timings = LaunchTimings(names=("a", "b", "c"), per_launch=(5e-6, 3e-6, 1e-6), replay=6e-6)
     attributed = timings.attributed()
@@ -173,7 +173,7 @@ def test_one_load_when_everything_fits_else_a_load_per_kind_of_run() -> None:
 
 
 def test_backend_memory_plan_is_what_loading_would_allocate(tiny_model_path: Path) -> None:
-    from cmpchat.backends.cuda.model import CudaBackend
+    from cmpchat.backends.gpu.model import CudaBackend
 
     model = ModelFile(tiny_model_path)
     config = ModelConfig.from_model_file(model)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cmpchat.backends.cuda.prompt_step import PROMPT_ROWS
+from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS
 from cmpchat.bench.kernel_families import FamilyTime, kernel_family
 from cmpchat.bench.llama_cpp import LlamaResult
 from cmpchat.bench.prefill import CMP_DP4A_PER_SECOND, WARMUP_PROMPTS, PrefillRates, PrefillRun, run_prefill

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.cuda.test_throughput_probes_sim import (
+from tests.kernels.test_throughput_probes_sim import (
     DP4A_INPUTS,
     FFMA_INPUTS,
     FUSED_CASE,
@@ -35,7 +35,7 @@ def run_chains(dispatcher, inputs: np.ndarray, iterations: int, out_dtype) -> np
 
 
 def test_the_chain_kernels_compute_their_references():
-    from cmpchat.cuda.kernels.throughput_probes import dp4a_chains, ffma_chains, hfma2_chains
+    from cmpchat.kernels.throughput_probes import dp4a_chains, ffma_chains, hfma2_chains
 
     for iterations in (0, 1, 3, 37):
         np.testing.assert_array_equal(
@@ -55,7 +55,7 @@ def test_the_chain_kernels_compute_their_references():
 def test_fma_f16x2_is_fused_per_lane_on_the_gpu():
     from numba import cuda
 
-    from cmpchat.cuda.intrinsics import fma_f16x2
+    from cmpchat.cudart.intrinsics import fma_f16x2
 
     @cuda.jit
     def run(a, b, c, out):
@@ -69,7 +69,7 @@ def test_fma_f16x2_is_fused_per_lane_on_the_gpu():
 def test_the_mma_chains_add_16_products_per_step():
     from numba import cuda
 
-    from cmpchat.cuda.kernels.tensor_core_probe import FP16_ONES, mma_chains
+    from cmpchat.kernels.tensor_core_probe import FP16_ONES, mma_chains
 
     inputs = cuda.to_device(np.array([FP16_ONES, fp16_pair(0.5, 0.5)], np.uint32))
     out = cuda.device_array(64, np.float32)
@@ -79,9 +79,9 @@ def test_the_mma_chains_add_16_products_per_step():
 
 
 def test_the_tensor_core_probe_is_the_exempt_kernel_with_hmma_in_its_sass():
-    from cmpchat.cuda.compile import KERNELS
-    from cmpchat.cuda.kernels import tensor_core_probe
-    from cmpchat.cuda.sass_check import check_kernel, disassembler
+    from cmpchat.cudart.compile import KERNELS
+    from cmpchat.devtools.sass_check import check_kernel, disassembler
+    from cmpchat.kernels import tensor_core_probe
 
     (spec,) = [spec for spec in KERNELS if spec.dispatcher is tensor_core_probe.mma_chains]
     report = check_kernel(spec, spec.signatures[0], disassembler())
@@ -105,8 +105,8 @@ def test_the_quick_probe_gives_plausible_figures(quick_gpu0):
 
 
 def test_the_tensor_core_probe_runs_only_with_the_flag(monkeypatch: pytest.MonkeyPatch):
-    from cmpchat.cuda.kernels import tensor_core_probe
     from cmpchat.doctor.probe import QUICK, measure_gpu
+    from cmpchat.kernels import tensor_core_probe
 
     real_rate = tensor_core_probe.mma_rate
     calls = []

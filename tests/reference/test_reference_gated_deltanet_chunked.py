@@ -21,7 +21,7 @@ from cmpchat.backends.reference.gated_deltanet_chunked import (
     value_head_keys,
 )
 from cmpchat.backends.reference.layers import l2_normalize, rms_norm, sigmoid, silu, softplus
-from tests.cuda.test_gated_deltanet import Layer, gdn_config
+from tests.kernels.test_gated_deltanet import Layer, gdn_config
 
 
 def random_inputs(

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from cmpchat.engine import Model, open_model
+from cmpchat.api import Model, open_model
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.server.settings import ServerSettings

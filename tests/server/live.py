@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from cmpchat.engine import Model
+from cmpchat.api import Model
 from cmpchat.server.app import create_app
 from cmpchat.server.runner import address_of, bind, make_server
 from cmpchat.server.settings import ServerSettings

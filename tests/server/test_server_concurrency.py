@@ -8,9 +8,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from cmpchat.api import open_model
 from cmpchat.chat.messages import Message
-from cmpchat.engine import open_model
-from cmpchat.generation.generator import GenerationOptions
+from cmpchat.engine.generator import GenerationOptions
 from tests.server.live import LiveServer, metric
 
 MAX_TOKENS = 24

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from cmpchat.chat.messages import Message, ToolCall
 from cmpchat.chat.template import RenderedPrompt
-from cmpchat.generation.events import (
+from cmpchat.engine.events import (
     ContentDelta,
     DecodeProgress,
     Finished,

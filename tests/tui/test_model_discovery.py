@@ -8,7 +8,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from cmpchat.model.discovery import SearchRoot, default_roots, find_models, read_header
+from cmpchat.model.discovery import SearchRoot, default_roots, find_models
+from cmpchat.model.gguf_parse import read_scalar_metadata
 
 
 def write_gguf(path: Path, architecture: str, name: str | None = None, *, general_type: str | None = None) -> Path:
@@ -29,12 +30,12 @@ def write_gguf(path: Path, architecture: str, name: str | None = None, *, genera
 
 def test_header_reader_gets_the_leading_scalars(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "qwen35", "Qwen3.5 9B")
-    header = read_header(path)
+    header = read_scalar_metadata(path)
     assert header is not None
     assert header["general.architecture"] == "qwen35" and header["general.name"] == "Qwen3.5 9B"
     assert "after.the.array" not in header
     (tmp_path / "bad.gguf").write_bytes(b"nope")
-    assert read_header(tmp_path / "bad.gguf") is None
+    assert read_scalar_metadata(tmp_path / "bad.gguf") is None
 
 
 def test_models_are_found_paired_with_projectors_and_sorted(tmp_path):

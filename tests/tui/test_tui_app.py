@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cmpchat.engine import open_model
+from cmpchat.api import open_model
 from cmpchat.model.discovery import FoundModel
 from cmpchat.tui.app import CmpchatApp
 from cmpchat.tui.model_request import ModelRequest

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cmpchat.generation.events import ContentDelta, DecodeProgress, Finished, PromptProgress, ReasoningDelta, Timings
+from cmpchat.engine.events import ContentDelta, DecodeProgress, Finished, PromptProgress, ReasoningDelta, Timings
 from cmpchat.tui import format as fmt
 from cmpchat.tui.reply_run import SLOWEST_UPDATE, UI_SHARE, UpdatePacer
 from cmpchat.tui.reply_stream import ReplyBuffer, run_generation

@@ -23,7 +23,7 @@ underflow to 0, which is the right answer, but never overflows); no e^-gamma is 
 gamma_i - gamma_j are taken from compensated cumulative sums (hi + lo, Knuth's two-sum), so one strongly
 decaying token early in a chunk does not cost the tokens after it their precision (a plain fp32 cumsum of
 -200 then -0.01s would leave the later differences with ~1e-5 absolute error). The CUDA kernels
-(`cmpchat.cuda.kernels.gated_deltanet_chunked`) do the same in fp32.
+(`cmpchat.kernels.gated_deltanet_chunked`) do the same in fp32.
 
 Inputs are what `GatedDeltaNet.__call__` feeds its loop: q, k after the conv, SiLU and L2 normalisation
 (q scaled by dk^-1/2) per key head, v per value head, g = ssm_a * softplus(a + dt_bias) and

@@ -20,8 +20,8 @@ from textual.timer import Timer
 from textual.widgets import Footer
 
 from cmpchat.chat.messages import Message
+from cmpchat.engine.generator import GenerationOptions
 from cmpchat.errors import CmpchatError
-from cmpchat.generation.generator import GenerationOptions
 from cmpchat.tui.model_request import context_limit, model_sees_images
 from cmpchat.tui.reply_run import ReplyRun, UpdatePacer
 from cmpchat.tui.reply_stream import ReplyUpdate, run_generation
@@ -39,7 +39,7 @@ from cmpchat.tui.widgets.status_bar import StatusBar
 from cmpchat.tui.widgets.title_bar import DemoBanner, TitleBar
 
 if TYPE_CHECKING:
-    from cmpchat.engine import Model
+    from cmpchat.api import Model
     from cmpchat.tui.app import CmpchatApp
 
 WIDE = 120

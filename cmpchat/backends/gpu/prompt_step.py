@@ -1,0 +1,229 @@
+"""A long prompt's step: PROMPT_ROWS consecutive tokens of one sequence through the whole model at once.
+
+Where a decode step reads every weight once per token (or per 16 tokens of a short prompt chunk), this
+step reads it once per PROMPT_ROWS tokens, so its matmuls are the DP4A GEMM (`gemm.py`), dp4a-bound on a
+CMP rather than bandwidth-bound. Layer by layer, as `step.decode_launches`:
+
+    x = embed(tokens)                                                     [rows, d]
+    per layer:  p = W_in rms_norm_quantize(x)
+                attention:  q, K/V cache = qk_norm_rope(p);  a = attention(q, cache) * sigmoid(gate)
+                            (FlashAttention-style, `attention_prefill`: each row attends to the cache up to
+                            itself, the step wrote the rows' K/V first; a tile of rows shares each K/V read)
+                GDN:        a = `gated_deltanet_chunked` over the rows in chunks of 64, state in place
+                x += W_out quantize(a)
+                x += W_down quantize(swiglu(W_gate|up rms_norm_quantize(x)))
+    logits = W_lm rms_norm_quantize(x[last row])                          [1, vocab]
+
+The launches are fixed per sequence slot (the GDN kernels take the slot as an argument), so the backend
+builds and captures them once per slot; the rows' tokens and positions are uploaded before each replay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from cmpchat.backends.gpu.step import MatmulInputs, SequenceStates, columns, zeros
+from cmpchat.backends.gpu.weights import AttentionWeights, ModelWeights, RecurrentWeights
+from cmpchat.cudart.launch import Launch
+from cmpchat.kernels.attention_prefill import (
+    ENGINE_TILING,
+    PrefillAttentionConfig,
+    partial_buffer_shapes,
+    prefill_attention,
+)
+from cmpchat.kernels.elementwise import embed_q8_0
+from cmpchat.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
+from cmpchat.kernels.gated_deltanet_chunked import (
+    DEFAULT_CHUNK,
+    ChunkWorkspace,
+    check_prefill_shape,
+    prefill_launches,
+)
+from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
+from cmpchat.model.config import ModelConfig
+
+PROMPT_ROWS = 256
+"""Tokens per long-prompt step: well into the GEMM's dp4a-bound regime (from ~64 tokens on a CMP), while
+the activations stay small (~90 MB at 27B) and a prompt's tail below it takes the 16-row step."""
+
+
+KEY_TILE = PrefillAttentionConfig(num_splits=1, **ENGINE_TILING).tile_keys
+"""Keys per tile of the step's attention: cache pages must hold whole tiles."""
+
+
+def prompt_step_supported(config: ModelConfig, weights: ModelWeights) -> str | None:
+    """Why this model cannot take the long-prompt step (then prompts run 16 tokens at a time), or None."""
+    matrices = [weights.lm_head]
+    for layer in weights.layers:
+        mixer = layer.mixer
+        inner = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.projection
+        matrices += [inner, mixer.output, layer.gate_up, layer.down]
+    if not all(m.is_q8_0 for m in matrices):
+        return "the long-prompt step multiplies Q8_0 weights only"
+    if config.recurrent_layers:
+        try:
+            check_prefill_shape(GatedDeltaNetShape.from_config(config), DEFAULT_CHUNK)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+@dataclass
+class PromptBuffers:
+    """Device buffers of one long-prompt step (PROMPT_ROWS rows)."""
+
+    inputs: Any  # int32 [rows * 6]: tokens [rows] | positions [rows, 4] | page_table [rows, 1]
+    tokens: Any  # } views of `inputs`
+    positions: Any  # (cache index, t, h, w) per row
+    page_table: Any
+    hidden: Any  # fp32 [rows, d]
+    normalized: Any  # fp32 [rows, d]
+    x_quants: Any  # uint32 [rows, d/4]
+    x_scales: Any  # fp32 [rows, d/32]
+    projection: Any  # fp32 [rows, widest fused input projection]
+    conv_out: Any  # fp32 [rows, conv_dim]: the GDN conv's output (it may not overwrite the projection)
+    mixed: Any  # fp32 [rows, max(H*hd, Hv*dv, ffn)]
+    m_quants: Any
+    m_scales: Any
+    q: Any  # fp32 [rows, H, hd]
+    attention: PrefillAttentionConfig
+    partial_acc: Any  # fp32 [rows, H, splits, hd]: prefill attention's per-split partials
+    partial_ml: Any  # fp32 [rows, H, splits, 2]
+    logits: Any  # fp32 [1, V]: the last row's
+    inv_freq: Any
+    freq_axis: Any
+    gdn_workspace: ChunkWorkspace | None  # the chunked Gated DeltaNet's, shared by the layers (None: no GDN)
+
+    @staticmethod
+    def attention_config(config: ModelConfig, rows: int, sm_count: int) -> PrefillAttentionConfig:
+        """How the step's attention is split over keys to fill `sm_count` SMs."""
+        return PrefillAttentionConfig.splits_for(rows, config.num_heads, config.num_kv_heads, sm_count,
+                                                 **ENGINE_TILING)  # fmt: skip
+
+    @classmethod
+    def layout(cls, config: ModelConfig, sm_count: int, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Shape and dtype of every buffer the step allocates (the rows' inputs as one int32 array)."""
+        d = config.hidden_size
+        widest = max(
+            2 * (config.num_heads + config.num_kv_heads) * config.head_dim,
+            config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads,
+        )
+        mixed = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
+        attention = cls.attention_config(config, rows, sm_count)
+        acc_shape, ml_shape = partial_buffer_shapes(rows, config.num_heads, config.head_dim, attention)
+        f32, u32 = np.float32, np.uint32
+        return {
+            "inputs": ((6 * rows,), np.int32),
+            "hidden": ((rows, d), f32),
+            "normalized": ((rows, d), f32),
+            "x_quants": ((rows, d // 4), u32),
+            "x_scales": ((rows, d // 32), f32),
+            "projection": ((rows, widest), f32),
+            "conv_out": ((rows, config.conv_dim), f32),
+            "mixed": ((rows, mixed), f32),
+            "m_quants": ((rows, mixed // 4), u32),
+            "m_scales": ((rows, mixed // 32), f32),
+            "q": ((rows, config.num_heads, config.head_dim), f32),
+            "partial_acc": (acc_shape, f32),
+            "partial_ml": (ml_shape, f32),
+            "logits": ((1, config.vocab_size), f32),
+        }
+
+    @classmethod
+    def reserved_bytes(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> int:
+        """What `allocate` takes on the GPU, for the memory plan."""
+        rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
+        arrays = sum(
+            math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in cls.layout(config, sm_count, rows).values()
+        )
+        workspace = (
+            ChunkWorkspace.nbytes(GatedDeltaNetShape.from_config(config), rows) if config.recurrent_layers else 0
+        )
+        return arrays + rope.inv_freq.nbytes + rope.freq_axis.nbytes + workspace
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> PromptBuffers:
+        arrays = {name: zeros(shape, dtype) for name, (shape, dtype) in cls.layout(config, sm_count, rows).items()}
+        inputs = arrays["inputs"]
+        rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
+        return cls(
+            **arrays,
+            tokens=inputs[:rows],
+            positions=inputs[rows : 5 * rows].reshape(rows, 4),
+            page_table=inputs[5 * rows :].reshape(rows, 1),
+            attention=cls.attention_config(config, rows, sm_count),
+            inv_freq=cuda.to_device(rope.inv_freq),
+            freq_axis=cuda.to_device(rope.freq_axis),
+            gdn_workspace=(
+                ChunkWorkspace.allocate(GatedDeltaNetShape.from_config(config), rows)
+                if config.recurrent_layers
+                else None
+            ),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def upload(self, tokens: np.ndarray, positions: np.ndarray, slot: int, stream: Any) -> None:
+        """The rows' token ids and (cache index, t, h, w) positions, all in `slot`'s cache page."""
+        rows = self.rows
+        host = np.empty(6 * rows, np.int32)
+        host[:rows] = tokens
+        host[rows : 5 * rows] = positions.reshape(-1)
+        host[5 * rows :] = slot
+        self.inputs.copy_to_device(host, stream=stream)  # pageable: staged before the call returns
+
+
+def prompt_launches(
+    config: ModelConfig,
+    weights: ModelWeights,
+    states: SequenceStates,
+    buffers: PromptBuffers,
+    slot: int,
+    sm_count: int,
+) -> list[Launch]:
+    """Every launch of one long-prompt step for sequence slot `slot`, in order."""
+    b = buffers
+    rows = b.rows
+    hidden = b.hidden
+    eps = config.rms_eps
+    gdn_shape = GatedDeltaNetShape.from_config(config)
+
+    inputs = MatmulInputs(b, rows, eps, sm_count)
+
+    launches = [embed_q8_0(b.tokens, weights.embedding.quants, weights.embedding.scales, hidden)]
+    for index, layer in enumerate(weights.layers):
+        mixer = layer.mixer
+        if isinstance(mixer, AttentionWeights):
+            projection = columns(b.projection, rows, mixer.qkv.rows)
+            launches += inputs.normed(mixer.qkv, hidden, layer.mixer_norm, projection)
+            k_cache, v_cache = states.k_cache[index], states.v_cache[index]
+            launches.append(
+                qk_norm_rope_launch(projection, b.positions, b.page_table, mixer.q_norm, mixer.k_norm, b.inv_freq,
+                                    b.freq_axis, eps, b.q, k_cache, v_cache)
+            )  # fmt: skip
+            attended = columns(b.mixed, rows, config.num_heads * config.head_dim)
+            launches += prefill_attention(b.q, projection, b.positions, b.page_table, k_cache, v_cache,
+                                          b.partial_acc, b.partial_ml, attended, b.attention)  # fmt: skip
+        else:
+            assert isinstance(mixer, RecurrentWeights)
+            projection = columns(b.projection, rows, mixer.projection.rows)
+            launches += inputs.normed(mixer.projection, hidden, layer.mixer_norm, projection)
+            attended = columns(b.mixed, rows, gdn_shape.output_width)
+            gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
+            launches += prefill_launches(gdn_shape, gdn_weights, projection, states.conv_state[index],
+                                         states.delta_state[index], slot, attended, mixed=b.conv_out,
+                                         workspace=b.gdn_workspace)  # fmt: skip
+        launches += inputs.project_into(mixer.output, attended, hidden)
+        activated = columns(b.mixed, rows, config.ffn_size)
+        launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")
+        launches += inputs.project_into(layer.down, activated, hidden)
+    last = MatmulInputs(b, 1, eps, sm_count)  # the last row alone: the fused one-token GEMV
+    launches += last.normed(weights.lm_head, hidden[rows - 1 :], weights.output_norm, b.logits)
+    return launches

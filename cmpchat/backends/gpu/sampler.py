@@ -1,0 +1,233 @@
+"""Token selection on the GPU for the CUDA backend: only B token ids come back to the host per step.
+
+Per batch size, the selection kernels (`cmpchat.kernels.sampling`) are captured once as two graphs,
+greedy (penalties + argmax) and sampled (the full filter chain and a Gumbel-max draw), over device
+buffers that each step refreshes: packed parameters, the recent-token window for the penalties and a
+Philox key. The key is drawn from the reply's own numpy generator every step, so a seeded reply is
+reproducible; draws are exact in distribution but not the numbers numpy would draw.
+
+A step's inputs lie in one device allocation (params | rng | window_count | window, typed views at 64-byte
+offsets) with a pinned host mirror, and one asynchronous copy sends the part the chosen graph reads: the
+parameters when they changed, the Philox keys for sampled selection, the window only when a row has
+penalties (the kernels only append to it otherwise). The ids come back through a pinned array: per step at
+most one copy up, the graph, one copy down and an event, each a driver call that lets go of the GIL (which
+a busy UI thread may then hold for a switch interval). The ids are written into the decode step's token
+input too (`token_rows`), so the next step can consume them before they reach the host (`GpuChoice`,
+`CudaBackend.decode_chosen`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import cuda
+
+from cmpchat.backends.base import Choice
+from cmpchat.backends.gpu.step import ordering_event
+from cmpchat.cudart.driver_api import check, stream_handle
+from cmpchat.cudart.graph import StepLaunches
+from cmpchat.cudart.intrinsics import SIMULATOR
+from cmpchat.kernels.sampling import (
+    PARAM_COUNT,
+    SamplingWorkspace,
+    greedy_launches,
+    pack_params,
+    rng_state,
+    sampling_launches,
+    window_from_histories,
+)
+from cmpchat.sampling import SamplingParams
+
+if not SIMULATOR:
+    from cuda.bindings import driver
+
+WINDOW = 64
+"""Recent tokens kept on the device for the penalties; the default penalty window fits."""
+
+_ALIGN = 64
+"""Byte alignment of each input's view in the packed buffer (the float64 parameters need 8)."""
+
+
+class _PackedInputs:
+    """Arrays of mixed dtypes as typed views of one uint8 device buffer with a pinned host mirror, laid out
+    in the order given, so one copy uploads any leading run of them. Both start zeroed."""
+
+    def __init__(self, layout: Sequence[tuple[str, tuple[int, ...], Any]]) -> None:
+        spans, size = {}, 0
+        for name, shape, dtype in layout:
+            nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            spans[name] = (size, size + nbytes)
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        self.host = cuda.pinned_array(size, np.uint8)
+        self.host[:] = 0
+        self.device = cuda.to_device(self.host)
+        self.end = {name: stop for name, (_, stop) in spans.items()}
+        """Bytes to copy so that the inputs up to and including `name` arrive."""
+        views = [(name, spans[name], shape, dtype) for name, shape, dtype in layout]
+        self.staged = {name: self.host[a:b].view(dtype).reshape(shape) for name, (a, b), shape, dtype in views}
+        """Host views to fill before `upload`."""
+        self.views = {name: self.device[a:b].view(dtype).reshape(shape) for name, (a, b), shape, dtype in views}
+        """Device views, for the kernels."""
+        self._pointers = (0, 0) if SIMULATOR else (self.device.device_ctypes_pointer.value, self.host.ctypes.data)
+
+    def upload(self, nbytes: int, stream: Any) -> None:
+        """Queue the copy of the first `nbytes` of the mirror to the device (the mirror must then stay
+        untouched until the stream has run the copy)."""
+        if SIMULATOR:
+            self.device[:nbytes].copy_to_device(self.host[:nbytes], stream=stream)
+            return
+        device, host = self._pointers
+        check("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync(device, host, nbytes, stream_handle(stream)))
+
+
+@dataclass
+class _Selection:
+    inputs: _PackedInputs
+    tokens: Any  # int32 [B] on the device, written by the kernels: the first B rows of the step's token input
+    chosen: np.ndarray  # int32 [B] pinned: the tokens' host copy
+    arrived: Any  # a CUDA event recorded after the copy into `chosen`
+    greedy: StepLaunches
+    sampled: StepLaunches
+    packed_params: tuple[SamplingParams, ...] | None = None
+    """The settings last packed into the staged parameters (settings rarely change between steps)."""
+    latest: GpuChoice | None = None
+    """The choice whose ids `chosen` holds (or will, once `arrived`)."""
+
+    @property
+    def width(self) -> int:
+        return int(self.inputs.views["window"].shape[1])
+
+    def queue_fetch(self, stream: Any) -> None:
+        """Queue the copy of the chosen ids to `chosen`, and the event that says it has run."""
+        if SIMULATOR:
+            self.tokens.copy_to_host(self.chosen, stream=stream)
+        else:
+            host, device = self.chosen.ctypes.data, self.tokens.device_ctypes_pointer.value
+            result = driver.cuMemcpyDtoHAsync(host, device, self.chosen.nbytes, stream_handle(stream))
+            check("cuMemcpyDtoHAsync", result)
+        self.arrived.record(stream)
+
+
+class GpuChoice(Choice):
+    """Ids being chosen on the GPU: they lie in the step's token input until the next step's upload, and reach
+    the host when `ids()` has waited for them. Read them before the next selection of as many rows."""
+
+    def __init__(self, selection: _Selection) -> None:
+        self._selection = selection
+        self._ids: list[int] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self._selection.chosen)
+
+    @property
+    def read(self) -> bool:
+        """Whether `ids()` has waited for the ids (so the selection's copies have run)."""
+        return self._ids is not None
+
+    def ids(self) -> list[int]:
+        if self._ids is None:
+            selection = self._selection
+            if selection.latest is not self:
+                raise RuntimeError("a later selection of as many rows overwrote these ids before they were read")
+            selection.arrived.synchronize()
+            self._ids = selection.chosen.tolist()
+        return self._ids
+
+
+class GpuSampler:
+    """Selects from `logits_rows[:B]` for B rows, a device buffer [rows, V]: the graphs are captured with its
+    address. Give it the backend's step buffer, so a decode step's logits are read where they lie; logits
+    from anywhere else (a prompt chunk's last row, the long-prompt step's own buffer) are copied there first.
+    The chosen ids are written to `token_rows[:B]`, the step's token input (int32 [rows])."""
+
+    def __init__(self, stream: Any, use_graphs: bool, logits_rows: Any, token_rows: Any) -> None:
+        self.stream = stream
+        self.use_graphs = use_graphs
+        self.logits_rows = logits_rows
+        self.token_rows = token_rows
+        self._by_batch: dict[int, _Selection] = {}
+
+    def select(
+        self,
+        logits: Any,
+        params: Sequence[SamplingParams],
+        histories: Sequence[Sequence[int]],
+        rngs: Sequence[np.random.Generator],
+    ) -> GpuChoice:
+        """Queue the choice of a token for each row of `logits` (a device [B, V] array); returns at once. The
+        penalties edit the rows they read."""
+        batch = len(params)
+        width = max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
+        rows = self.logits_rows[:batch]
+        if _address(logits) != _address(rows):
+            rows.copy_to_device(logits, stream=self.stream)
+        selection = self._selection(rows, batch, width)
+        # A key from every reply's generator every step, greedy rows too, so seeded replies stay reproducible.
+        seeds = [int(rng.integers(0, 2**63)) for rng in rngs]
+        greedy = all(p.is_greedy for p in params)
+        inputs = selection.inputs
+        staged = inputs.staged
+        # The mirror is free to refill: the previous selection's ids were read (`GpuChoice.ids` waited for the
+        # event after its copy down, which follows its upload), or a wait below makes sure.
+        if selection.latest is not None and not selection.latest.read:
+            selection.arrived.synchronize()
+        last = None
+        settings = tuple(params)
+        if settings != selection.packed_params:
+            staged["params"][:] = pack_params(params, width)
+            selection.packed_params = settings
+            last = "params"
+        if not greedy:  # greedy_launches read no Philox key
+            staged["rng"][:] = rng_state(seeds)
+            last = "rng"
+        if any(p.has_penalties for p in params):  # else no kernel reads the window, apply_penalties returns
+            window, count = window_from_histories(histories, width)
+            staged["window"][:] = window
+            staged["window_count"][:] = count
+            last = "window"
+        stream = self.stream
+        if last is not None:  # the device keeps the parameters of the last upload
+            inputs.upload(inputs.end[last], stream)
+        (selection.greedy if greedy else selection.sampled).run(stream)
+        selection.queue_fetch(stream)
+        selection.latest = GpuChoice(selection)
+        return selection.latest
+
+    def _selection(self, logits: Any, batch: int, width: int) -> _Selection:
+        selection = self._by_batch.get(batch)
+        if selection is not None and selection.width == width:
+            return selection
+        vocab = int(logits.shape[1])
+        workspace = SamplingWorkspace.allocate(batch, vocab)
+        # In upload order: what every graph reads first, the window (penalties only) last.
+        inputs = _PackedInputs(
+            [
+                ("params", (batch, PARAM_COUNT), np.float64),
+                ("rng", (batch, 4), np.uint32),
+                ("window_count", (batch,), np.int32),
+                ("window", (batch, width), np.int32),
+            ]
+        )
+        params, rng, window_count, window = (inputs.views[name] for name in ("params", "rng", "window_count", "window"))
+        tokens = self.token_rows[:batch]
+        greedy = greedy_launches(logits, params, window, window_count, tokens, workspace)
+        sampled = sampling_launches(logits, params, rng, window, window_count, tokens, workspace)
+        selection = _Selection(
+            inputs,
+            tokens,
+            cuda.pinned_array(batch, np.int32),
+            ordering_event(),
+            StepLaunches(greedy, self.stream, self.use_graphs),
+            StepLaunches(sampled, self.stream, self.use_graphs),
+        )
+        self._by_batch[batch] = selection
+        return selection
+
+
+def _address(array: Any) -> int:
+    """Where a device array's data starts (in the simulator, that of the host array standing in for it)."""
+    return array.__array_interface__["data"][0] if SIMULATOR else array.device_ctypes_pointer.value

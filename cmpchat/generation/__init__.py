@@ -1,1 +1,0 @@
-"""Turning logits into text: sampling, stop rules, output parsing and timed events."""
