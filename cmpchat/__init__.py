@@ -14,7 +14,7 @@ from cmpchat.engine.events import (
     Timings,
     ToolCallEvent,
 )
-from cmpchat.engine.generator import GenerationOptions
+from cmpchat.engine.reply import GenerationOptions
 from cmpchat.errors import CmpchatError
 from cmpchat.sampling import SamplingParams
 

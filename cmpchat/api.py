@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -22,8 +22,10 @@ from cmpchat.backends.reference.model import ReferenceBackend
 from cmpchat.chat.messages import Message, Tool
 from cmpchat.chat.template import ChatFormat, RenderedPrompt
 from cmpchat.demo import ensure_demo_model
+from cmpchat.engine.engine import Engine
 from cmpchat.engine.events import GenerationEvent
-from cmpchat.engine.generator import GenerationOptions, Generator
+from cmpchat.engine.reply import GenerationOptions
+from cmpchat.engine.request import Failed, GenerationRequest, Started
 from cmpchat.errors import CmpchatError
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
@@ -34,15 +36,27 @@ BACKENDS: tuple[str, ...] = ("auto", "cpu", "cuda")
 
 
 class Model:
-    """A model file opened on a backend, with its tokenizer and chat format."""
+    """A model file opened on a backend, with its tokenizer, chat format and engine."""
 
-    def __init__(self, model_file: ModelFile, backend: Backend, *, is_demo: bool = False) -> None:
+    def __init__(
+        self,
+        model_file: ModelFile,
+        backend: Backend[Any],
+        *,
+        is_demo: bool = False,
+        slots: int | None = None,
+        max_waiting: int = 64,
+        prefill_chunk: int = 512,
+    ) -> None:
         self.model_file = model_file
         self.backend = backend
         self.is_demo = is_demo
         self.tokenizer = Tokenizer.from_metadata(model_file.metadata)
         self.chat_format = ChatFormat.from_metadata(model_file.metadata)
-        self.generator = Generator(backend, self.tokenizer)
+        self.engine: Engine[Any] = Engine(
+            backend, self.tokenizer, slots=slots, max_waiting=max_waiting, prefill_chunk=prefill_chunk
+        )
+        """Generates every reply; driven by the caller's thread unless a front end starts its own (the server)."""
 
     @property
     def config(self) -> ModelConfig:
@@ -63,7 +77,7 @@ class Model:
         """Next-token logits after every position of `tokens`, [T, vocab], from a fresh sequence."""
         sequence = self.backend.new_sequence()
         try:
-            return self.backend.prefill(sequence, tokens, all_logits=True)
+            return self.backend.score(sequence, tokens)
         finally:
             self.backend.release(sequence)
 
@@ -77,6 +91,76 @@ class Model:
         """The prompt text the chat template makes of a conversation (ending with the assistant's turn)."""
         return self.chat_format.render(messages, tools=tools, enable_thinking=enable_thinking)
 
+    def chat_request(
+        self,
+        messages: Sequence[Message],
+        options: GenerationOptions | None = None,
+        *,
+        tools: Sequence[Tool] | None = None,
+        enable_thinking: bool | None = None,
+    ) -> GenerationRequest:
+        """What the engine runs for the assistant's next reply to a conversation."""
+        prompt = self.render(messages, tools=tools, enable_thinking=enable_thinking)
+        tokens = self.tokenizer.encode(prompt.text, parse_special=True)
+        points = {
+            *self._opening_end(messages, tokens, tools=tools, enable_thinking=enable_thinking),
+            *self.next_turn_point(messages, tokens, tools=tools, enable_thinking=enable_thinking),
+        }
+        return GenerationRequest(
+            tuple(tokens),
+            options or GenerationOptions(),
+            starts_in_reasoning=prompt.thinking,
+            tools=tuple(tools) if tools else None,
+            cache_points=tuple(sorted(points)),
+        )
+
+    def _opening_end(
+        self,
+        messages: Sequence[Message],
+        tokens: Sequence[int],
+        *,
+        tools: Sequence[Tool] | None,
+        enable_thinking: bool | None,
+    ) -> tuple[int, ...]:
+        """Where the conversation's first message ends (a system prompt, say), if on a token boundary: other
+        conversations that open the same way resume there."""
+        if len(messages) < 2:
+            return ()
+        try:
+            opening = self.chat_format.render(
+                messages[:1], tools=tools, enable_thinking=enable_thinking, add_generation_prompt=False
+            ).text
+        except CmpchatError:
+            return ()
+        opening_tokens = self.tokenizer.encode(opening, parse_special=True)
+        end = len(opening_tokens)
+        return (end,) if 0 < end < len(tokens) and list(tokens[:end]) == opening_tokens else ()
+
+    def next_turn_point(
+        self,
+        messages: Sequence[Message],
+        tokens: Sequence[int],
+        *,
+        tools: Sequence[Tool] | None = None,
+        enable_thinking: bool | None = None,
+    ) -> tuple[int, ...]:
+        """Where the next turn's prompt will stop matching `tokens` (this turn's prompt): templates render an
+        earlier reply without the generation prompt's thinking markers, so the next turn diverges inside them.
+        The state saved there lets the next turn read only its new tokens. Found by rendering the conversation
+        with a stand-in reply and a next message."""
+        follow = [*messages, Message("assistant", _STAND_IN), Message("user", _STAND_IN)]
+        try:
+            text = self.chat_format.render(follow, tools=tools, enable_thinking=enable_thinking).text
+        except CmpchatError:
+            return ()
+        following = self.tokenizer.encode(text, parse_special=True)
+        common = 0
+        for a, b in zip(tokens, following):
+            if a != b:
+                break
+            common += 1
+        return (common,) if 0 < common < len(tokens) else ()
+
     def chat(
         self,
         messages: Sequence[Message],
@@ -86,10 +170,10 @@ class Model:
         enable_thinking: bool | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream the assistant's next reply to a conversation."""
-        prompt = self.render(messages, tools=tools, enable_thinking=enable_thinking)
-        tokens = self.tokenizer.encode(prompt.text, parse_special=True)
-        return self.generator.generate(tokens, options, starts_in_reasoning=prompt.thinking, tools=tools, cancel=cancel)
+        """Stream the assistant's next reply to a conversation. A conversation that grows by a turn resumes
+        from the state its previous turn left, so only the new tokens are read."""
+        request = self.chat_request(messages, options, tools=tools, enable_thinking=enable_thinking)
+        return self._events(request, cancel)
 
     def generate(
         self,
@@ -100,7 +184,18 @@ class Model:
     ) -> Iterator[GenerationEvent]:
         """Stream a raw continuation of `prompt` (text with special tokens parsed, or token ids)."""
         tokens = self.tokenizer.encode(prompt, parse_special=True) if isinstance(prompt, str) else list(prompt)
-        return self.generator.generate(tokens, options, cancel=cancel)
+        return self._events(GenerationRequest(tuple(tokens), options or GenerationOptions()), cancel)
+
+    def _events(self, request: GenerationRequest, cancel: threading.Event | None) -> Iterator[GenerationEvent]:
+        for event in self.engine.generate(request, cancel):
+            if isinstance(event, Failed):
+                raise CmpchatError(event.message)
+            if not isinstance(event, Started):
+                yield event
+
+
+_STAND_IN = "…"
+"""The text of the stand-in messages `Model.next_turn_point` renders."""
 
 
 def open_model(
@@ -109,37 +204,48 @@ def open_model(
     backend: BackendName = "auto",
     mirror_gpu: bool = False,
     sequences: int = 1,
+    cache_states: int = 4,
     context: int | None = None,
+    kv_tokens: int | None = None,
     gpu_mem: int | None = None,
     use_graphs: bool = True,
+    max_waiting: int = 64,
+    prefill_chunk: int = 512,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Model:
     """Open a GGUF model (None: the demo model, built on first use) on a backend.
 
     backend: "cuda" (an NVIDIA GPU), "cpu" (the numpy reference) or "auto" (cuda when a GPU is usable).
     `mirror_gpu` makes the CPU reference round as the GPU engine does (int8 activations, fp16 KV cache).
-    GPU options: `sequences` decoded together at most, `context` tokens per sequence at most (default:
-    what fits), `gpu_mem` bytes usable per GPU (to emulate a smaller card), `use_graphs` (False: launch
-    kernels one by one, for debugging). `progress(stage, done, total)` reports slow steps. The model comes
-    back ready: a GPU backend has compiled and captured the steps a first chat turn runs.
+    `sequences` replies are decoded together at most; `cache_states` more sequence states are kept for reuse
+    (a conversation's next turn resumes from one). `context` caps the tokens of one sequence, `kv_tokens` the
+    KV-cache pool that all sequences share (default: what fits; the CPU keeps four contexts' worth). GPU
+    options: `gpu_mem` bytes usable per GPU (to emulate a smaller card), `use_graphs` (False: launch kernels one
+    by one, for debugging). Engine options: `max_waiting` requests queued beyond the running ones,
+    `prefill_chunk` prompt tokens read between decode steps. `progress(stage, done, total)` reports slow
+    steps. The model comes back ready: a GPU backend has compiled and captured every step the engine runs.
     """
     if backend not in BACKENDS:
         raise CmpchatError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
+    if sequences < 1 or cache_states < 0:
+        raise CmpchatError("sequences must be at least 1 and cache_states at least 0")
     is_demo = path is None
     model_path = ensure_demo_model(progress) if is_demo else Path(path)
     model_file = ModelFile(model_path)
     config = ModelConfig.from_model_file(model_file)
     if backend == "auto":
         backend = "cuda" if cuda_gpu_present() else "cpu"
-    engine: Backend
+    loaded: Backend[Any]
     if backend == "cuda":
         from cmpchat.backends.gpu.model import CudaBackend
 
-        engine = CudaBackend(
+        loaded = CudaBackend(
             model_file,
             config,
             sequences=sequences,
+            saved_states=cache_states,
             context=context,
+            kv_tokens=kv_tokens,
             gpu_mem=gpu_mem,
             use_graphs=use_graphs,
             progress=progress,
@@ -147,8 +253,17 @@ def open_model(
     else:
         if progress is not None:
             progress("loading the model", 0, 1)
-        engine = ReferenceBackend(model_file, config, mirror_gpu=mirror_gpu)
+        loaded = ReferenceBackend(
+            model_file,
+            config,
+            mirror_gpu=mirror_gpu,
+            context=context,
+            pool_tokens=kv_tokens,
+            max_sequences=sequences + cache_states,
+        )
         if progress is not None:
             progress("loading the model", 1, 1)
-    engine.warm_up(progress)
-    return Model(model_file, engine, is_demo=is_demo)
+    loaded.warm_up(progress, max_rows=min(sequences, loaded.max_batch))
+    return Model(model_file, loaded, is_demo=is_demo, slots=sequences, max_waiting=max_waiting,
+                 prefill_chunk=prefill_chunk)  # fmt: skip
+

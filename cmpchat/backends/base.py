@@ -1,112 +1,184 @@
-"""The one small interface every backend implements (DESIGN.md: load, prefill, batched decode, release).
+"""The interface every backend implements: sequences, prompt and decode steps, and token selection.
 
-A sequence is an opaque per-backend state object: its KV caches, GDN conv and recurrent states and the
-next position. The generator drives any backend through these methods only.
+A backend turns token ids into next-token logits for many sequences at once and chooses each row's next token.
+Steps may only be queued (a GPU backend returns before the device has run them), so they hand out handles:
+`prefill` and `decode` return the step's `Logits`, `select` returns a `Selection` whose `tokens()` waits for the
+ids. A decode step can take its tokens straight from an earlier `Selection` (`Chosen`), so the engine queues the
+step that consumes a token before the host has read it:
+
+    logits = backend.prefill(sequence, prompt)
+    selection = backend.select(logits, [selector])
+    logits = backend.decode([sequence], [Chosen(selection, 0)])   # queued before the id is on the host
+    token = selection.tokens()[0]                                  # read while that step runs
+
+KV caches live in a shared pool of pages (`kv_pool`); `pool` says how full it is, so the engine can admit,
+grow and preempt sequences before a step would run out of pages. Sequences are the backend's own type `S`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 
+from cmpchat.backends.kv_pool import PagePool
 from cmpchat.model.config import ModelConfig
 from cmpchat.sampling import SamplingParams, sample_token
 
+S = TypeVar("S")
+"""A backend's sequence state: its KV pages, recurrent state and position."""
 
-class Choice:
-    """The tokens chosen for a step's rows (`Backend.choose`). Here they are known at once; a GPU backend's
-    subclass holds them on the device, where the next decode step can read them before the host has."""
+Progress = Callable[[str, int, int], None]
+"""progress(stage, done, total) for slow preparations."""
 
-    def __init__(self, ids: list[int]) -> None:
-        self._ids = ids
 
-    def ids(self) -> list[int]:
-        """The chosen token ids, one per row (on a GPU backend this waits for the selection to run)."""
+@dataclass(frozen=True, slots=True)
+class Selector:
+    """How to choose one row's next token: its settings, the tokens it has seen (for the penalties), and the
+    generator its draws come from (so a seeded reply is reproducible)."""
+
+    params: SamplingParams
+    history: Sequence[int]
+    rng: np.random.Generator
+
+
+class Logits:
+    """The next-token logits of a step's rows, where the backend keeps them (a GPU backend: on the device)."""
+
+    rows: int
+
+
+class HostLogits(Logits):
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+        """float32 [rows, vocab]"""
+        self.rows = int(values.shape[0])
+
+
+class Selection(ABC):
+    """The tokens chosen for a step's rows, possibly still being chosen on a device."""
+
+    rows: int
+
+    @abstractmethod
+    def tokens(self) -> list[int]:
+        """The chosen ids, one per row (waits for the device where they are chosen there)."""
+
+
+class HostSelection(Selection):
+    def __init__(self, ids: Sequence[int]) -> None:
+        self._ids = [int(i) for i in ids]
+        self.rows = len(self._ids)
+
+    def tokens(self) -> list[int]:
         return self._ids
 
 
-class Backend(ABC):
-    """A loaded model that turns token ids into next-token logits for one or many sequences."""
+@dataclass(frozen=True, slots=True)
+class Chosen:
+    """A decode input: the token `selection` chose for its row `row`, wherever it is."""
 
-    name: str
+    selection: Selection
+    row: int
+
+
+TokenInput = int | Chosen
+
+
+def host_tokens(inputs: Sequence[TokenInput]) -> list[int]:
+    """The ids of decode inputs, waiting for the selections they come from."""
+    return [item if isinstance(item, int) else item.selection.tokens()[item.row] for item in inputs]
+
+
+class Backend(ABC, Generic[S]):
+    """A loaded model that runs prompt and decode steps for sequences of type `S` and selects their tokens."""
+
+    name: ClassVar[str]
     config: ModelConfig
-    decode_is_queued: bool = False
-    """True when `decode` and `decode_chosen` return once the step is queued (a GPU backend): a caller can
-    queue the step that consumes a choice before reading the chosen ids, and handle those ids (text, events)
-    while that step runs."""
+    pool: PagePool
+    """The KV-cache pages every sequence draws from."""
+    max_batch: int
+    """Rows one decode step takes at most."""
+    max_sequences: int
+    """Sequences (running ones and saved prefixes together) the backend can hold at once."""
+    context_limit: int
+    """Tokens one sequence may hold at most."""
+    decode_groups: int = 1
+    """Decode steps of different sequence groups the backend can have in flight at once (pipeline stages)."""
+
+    # -- sequences --------------------------------------------------------------------------------
 
     @abstractmethod
-    def new_sequence(self) -> Any:
-        """An empty sequence state (no tokens seen)."""
+    def new_sequence(self) -> S:
+        """An empty sequence; raises CmpchatError when `max_sequences` are held."""
 
     @abstractmethod
-    def sequence_length(self, sequence: Any) -> int:
-        """Tokens the sequence has consumed so far."""
+    def fork(self, sequence: S) -> S:
+        """An independent sequence that has read what `sequence` has: it shares its KV pages (copied only where
+        one of them appends to a shared page) and copies its recurrent state."""
 
     @abstractmethod
-    def copy_sequence(self, sequence: Any) -> Any:
-        """An independent copy of a sequence's state, e.g. to keep a conversation's prefix for reuse."""
+    def release(self, sequence: S) -> None:
+        """Give back its pages and state; the sequence must not be used again."""
 
     @abstractmethod
-    def prefill(
-        self,
-        sequence: Any,
-        tokens: Sequence[int],
-        *,
-        positions: np.ndarray | None = None,
-        all_logits: bool = False,
-    ) -> np.ndarray:
-        """Feed `tokens` into `sequence`; logits of the last token [vocab], or of every token [T, vocab].
+    def length(self, sequence: S) -> int:
+        """Tokens the sequence has read."""
+
+    @abstractmethod
+    def pages_to_grow(self, sequence: S, tokens: int) -> int:
+        """Free KV pages reading `tokens` more tokens would take."""
+
+    @property
+    def free_sequences(self) -> int:
+        """Sequences that can still be made (`new_sequence` or `fork`) before `max_sequences` are held."""
+        return self.max_sequences - self.held_sequences
+
+    @property
+    @abstractmethod
+    def held_sequences(self) -> int:
+        """Sequences made and not yet released."""
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def prefill(self, sequence: S, tokens: Sequence[int], *, positions: np.ndarray | None = None) -> Logits:
+        """Queue reading `tokens` into `sequence`; the logits after the last one (one row).
 
         `positions` gives (t, h, w) multimodal RoPE positions [T, 3]; by default text positions follow on.
         """
 
     @abstractmethod
-    def decode(self, sequences: Sequence[Any], tokens: Sequence[int]) -> Any:
-        """One token for each sequence in one step; logits [B, vocab] (a device handle on GPU backends:
-        pass it to `sample`, or to `to_host` when the values themselves are needed)."""
+    def decode(self, sequences: Sequence[S], tokens: Sequence[TokenInput]) -> Logits:
+        """Queue one token for each sequence in one step (at most `max_batch`); its logits, a row each."""
 
-    def decode_chosen(self, sequences: Sequence[Any], choice: Choice) -> Any:
-        """`decode` of the tokens of `choice` (from `choose` on this backend's latest logits, one row per
-        sequence); a GPU backend feeds them from the device without waiting for them."""
-        return self.decode(sequences, choice.ids())
+    def select(self, logits: Logits, selectors: Sequence[Selector]) -> Selection:
+        """Queue choosing a token for each row of `logits` (host-side here; GPU backends choose on the GPU)."""
+        rows = self.to_host(logits)
+        if len(selectors) != rows.shape[0]:
+            raise ValueError(f"{len(selectors)} selectors for {rows.shape[0]} rows of logits")
+        return HostSelection([sample_token(row, s.params, s.history, s.rng) for row, s in zip(rows, selectors)])
 
-    def to_host(self, logits: Any) -> np.ndarray:
-        """Logits as a host array (a copy from the GPU on GPU backends: 1 MB per row, so only when asked)."""
-        return np.asarray(logits)
+    def to_host(self, logits: Logits) -> np.ndarray:
+        """Logits as a host array [rows, vocab] (a copy from the GPU on GPU backends: only when asked)."""
+        if not isinstance(logits, HostLogits):
+            raise TypeError(f"{type(logits).__name__} is not this backend's logits")
+        return logits.values
+
+    @abstractmethod
+    def score(self, sequence: S, tokens: Sequence[int]) -> np.ndarray:
+        """Read `tokens` into `sequence` and return the logits after every one of them [T, vocab], on the host
+        (perplexity, KL and tests; slower than `prefill`, which keeps only the last row)."""
+
+    # -- the rest ---------------------------------------------------------------------------------
+
+    def warm_up(self, progress: Progress | None = None, *, max_rows: int = 1) -> None:  # noqa: B027
+        """Prepare what requests would otherwise wait for (a GPU backend: compile and capture the prompt steps
+        and the decode step of every batch size up to `max_rows` rows). The reference has nothing to prepare."""
 
     def describe(self) -> list[str]:
-        """Lines for the user about where the model runs (a GPU backend: the card and its memory plan)."""
+        """Lines for the user about where the model runs (a GPU backend: the cards and their memory plans)."""
         return []
-
-    def warm_up(self, progress: Callable[[str, int, int], None] | None = None) -> None:  # noqa: B027 (optional hook)
-        """Prepare what a first request would otherwise wait for (a GPU backend: compile and capture its
-        steps). The reference backend has nothing to prepare."""
-
-    def release(self, sequence: Any) -> None:  # noqa: B027 (optional hook)
-        """Give back what the sequence holds. The reference backend holds nothing outside the object."""
-
-    def sample(
-        self,
-        logits: Any,
-        params: Sequence[SamplingParams],
-        histories: Sequence[Sequence[int]],
-        rngs: Sequence[np.random.Generator],
-    ) -> list[int]:
-        """Pick the next token for each row of `logits` (host-side by default; GPU backends sample on the GPU)."""
-        rows = np.atleast_2d(self.to_host(logits))
-        return [sample_token(row, p, h, r) for row, p, h, r in zip(rows, params, histories, rngs, strict=True)]
-
-    def choose(
-        self,
-        logits: Any,
-        params: Sequence[SamplingParams],
-        histories: Sequence[Sequence[int]],
-        rngs: Sequence[np.random.Generator],
-    ) -> Choice:
-        """`sample`, as a `Choice` that `decode_chosen` can take before its ids are read (GPU backends queue
-        the selection and return at once)."""
-        return Choice(self.sample(logits, params, histories, rngs))

@@ -23,12 +23,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-mem", metavar="SIZE", help="GPU memory cmpchat may use, e.g. 16G (emulates a smaller card)"
     )
-    parser.add_argument("--ctx", type=int, metavar="N", help="most tokens of context per conversation (GPU)")
+    parser.add_argument("--ctx", type=int, metavar="N", help="most tokens of context per conversation")
+    parser.add_argument(
+        "--kv-tokens", type=int, metavar="N", help="most tokens the shared KV cache holds (default: what fits)"
+    )
     parser.add_argument("--eager", action="store_true", help="launch GPU kernels one by one (debugging)")
 
 
-def open_from_args(args: argparse.Namespace, *, sequences: int = 1) -> Model:
-    """Open the model the arguments name; `sequences` is how many sequence states the GPU must hold."""
+def open_from_args(args: argparse.Namespace, **engine: int) -> Model:
+    """Open the model the arguments name; `engine` holds `open_model`'s engine options (sequences decoded
+    together, cache_states kept, max_waiting, prefill_chunk)."""
     progress = StderrProgress()
     try:
         model = open_model(
@@ -36,9 +40,10 @@ def open_from_args(args: argparse.Namespace, *, sequences: int = 1) -> Model:
             backend=args.backend,
             gpu_mem=None if args.gpu_mem is None else parse_size(args.gpu_mem),
             context=args.ctx,
+            kv_tokens=args.kv_tokens,
             use_graphs=not args.eager,
-            sequences=sequences,
             progress=progress,
+            **engine,
         )
     finally:
         progress.close()

@@ -9,7 +9,7 @@ import sys
 from cmpchat.chat.messages import Message
 from cmpchat.commands.model_args import add_model_arguments, open_from_args
 from cmpchat.engine.events import ContentDelta, Finished, ReasoningDelta, ToolCallEvent
-from cmpchat.engine.generator import GenerationOptions
+from cmpchat.engine.reply import GenerationOptions
 from cmpchat.errors import CmpchatError
 from cmpchat.sampling import SamplingParams
 

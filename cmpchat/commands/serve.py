@@ -90,8 +90,13 @@ def run(args: argparse.Namespace) -> int:
     failure: list[str] = []
 
     def load() -> Model:
-        # Every slot decodes its own sequence and every saved prefix keeps a copy of one.
-        return open_from_args(args, sequences=args.slots + args.cache_states)
+        return open_from_args(
+            args,
+            sequences=settings.slots,
+            cache_states=settings.prefix_cache_entries,
+            max_waiting=settings.max_queue,
+            prefill_chunk=settings.prefill_chunk,
+        )
 
     def on_load_failure(message: str) -> None:
         failure.append(message)

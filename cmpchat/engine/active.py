@@ -1,10 +1,11 @@
-"""A request inside the engine: its reply, backend sequence, prefill progress, timings and pending events."""
+"""A request inside the engine: its reply, its sequence, what the sequence still has to read, and its timings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from cmpchat.backends.base import Chosen
 from cmpchat.engine.events import Timings
 from cmpchat.engine.reply import Reply
 from cmpchat.engine.request import EngineEvent, EventSink, GenerationRequest, RequestHandle
@@ -12,24 +13,37 @@ from cmpchat.engine.request import EngineEvent, EventSink, GenerationRequest, Re
 
 @dataclass(eq=False, slots=True)
 class ActiveRequest:
-    """Engine-thread state of one request from submission to its last event."""
+    """Engine-thread state of one request from submission to its last event.
+
+    `tokens` is what the sequence reads, in order: the prompt, then every token the reply accepted (end tokens
+    included). `fed` counts those the sequence has read, queued steps included; a decoding request's next
+    token is `pending`, chosen on the backend and not yet read by the host.
+    """
 
     handle: RequestHandle
     request: GenerationRequest
     reply: Reply
     sink: EventSink
     submitted_at: float
+    tokens: list[int] = field(default_factory=list)
     sequence: Any = None
+    fed: int = 0
+    pending: Chosen | None = None
+    group: int = 0
+    """The decode group it steps with (the backend keeps `decode_groups` groups in flight)."""
     admitted_at: float = 0.0
-    prefilled: int = 0
-    """Prompt tokens the sequence has consumed, cached ones included."""
+    admissions: int = 0
+    """Times it got a sequence: more than once after a preemption."""
     cached_tokens: int = 0
-    next_token: int | None = None
-    """The sampled token the next decode step feeds in."""
+    """Tokens resumed from a saved state instead of read, over all its admissions."""
+    prefilled_tokens: int = 0
+    """Tokens read by prompt steps, over all its admissions."""
     prompt_done_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     decode_steps: int = 0
+    ended: bool = False
+    """Its last event (`Finished` or `Failed`) was made."""
     outbox: list[EngineEvent] = field(default_factory=list)
 
     @property
@@ -38,20 +52,24 @@ class ActiveRequest:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.prefilled < len(self.request.prompt)
+        return self.sequence is not None and self.pending is None and self.fed < len(self.tokens)
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.pending is not None
 
     def timings(self) -> Timings:
-        """Where this request's time went, measured from the moment it got a slot.
+        """Where this request's time went, measured from the moment it first got a sequence.
 
-        `prompt_tokens` counts the tokens actually prefilled (not those resumed from the prefix cache), so
-        the prompt speed is honest. Decode time is wall time from the first token to the last, the rate
+        `prompt_tokens` counts the tokens actually read by prompt steps (not those resumed from saved states),
+        so the prompt speed is honest. Decode time is wall time from the first token to the last, the rate
         the client saw, since a batched step serves several requests at once.
         """
         prompt_done = self.prompt_done_at if self.prompt_done_at is not None else self.admitted_at
         first = self.first_token_at if self.first_token_at is not None else prompt_done
         last = self.last_token_at if self.last_token_at is not None else first
         return Timings(
-            prompt_tokens=self.prefilled - self.cached_tokens,
+            prompt_tokens=self.prefilled_tokens,
             prompt_seconds=max(prompt_done - self.admitted_at, 0.0),
             generated_tokens=self.reply.generated,
             decode_steps=self.decode_steps,

@@ -2,9 +2,12 @@
 skips that part of its prefill.
 
 A Gated DeltaNet layer folds every token into one recurrent state, which cannot be rewound: a state is
-only reusable at the position where it was saved. So the engine saves states at chosen positions (chunk
-boundaries, a conversation's end before its generation prompt) and a new prompt resumes from the
-longest saved prefix it starts with. Entries are evicted least recently used first, by count.
+only reusable at the position where it was saved. So the engine saves states at chosen positions (where the
+next turn of a conversation will stop matching this one, a long prompt's last chunk boundary, a finished
+reply's end) and a new prompt resumes from the longest saved prefix it starts with. A saved state shares its
+KV pages with the sequence it was saved from (`Backend.fork`), so what it costs is one recurrent state and the
+pages only it still holds. Entries are evicted least recently used first: by count, or when the engine needs
+their sequences or pages back.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from cmpchat.backends.base import Backend
 @dataclass(slots=True)
 class _Entry:
     tokens: np.ndarray
-    state: Any
+    sequence: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +38,9 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """At most `capacity` saved states (0 disables the cache); owns them and releases evicted ones."""
+    """At most `capacity` saved states (0 disables the cache); owns their sequences and releases evicted ones."""
 
-    def __init__(self, backend: Backend, capacity: int) -> None:
+    def __init__(self, backend: Backend[Any], capacity: int) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self._backend = backend
@@ -59,31 +62,54 @@ class PrefixCache:
             entry = self._entries.get(key)
             if entry is not None and np.array_equal(entry.tokens, tokens[:length]):
                 self._entries.move_to_end(key)
-                return PrefixHit(length, self._backend.copy_sequence(entry.state))
+                return PrefixHit(length, self._backend.fork(entry.sequence))
         return None
 
     def contains(self, prefix: Sequence[int]) -> bool:
-        tokens = _as_array(prefix)
-        return (len(tokens), _prefix_digests(tokens, [len(tokens)])[len(tokens)]) in self._entries
+        return _key(prefix) in self._entries
+
+    def _touch(self, prefix: Sequence[int]) -> bool:
+        """Mark the entry of exactly `prefix` as just used; False when there is none."""
+        key = _key(prefix)
+        if key not in self._entries:
+            return False
+        self._entries.move_to_end(key)
+        return True
 
     def save(self, prefix: Sequence[int], sequence: Any) -> None:
-        """Keep a copy of `sequence`, which has consumed exactly `prefix`."""
-        if self.capacity == 0 or not prefix:
+        """Keep a fork of `sequence`, which has read exactly `prefix` (an entry already there counts as used)."""
+        if self.capacity == 0 or not prefix or self._touch(prefix):
             return
-        tokens = _as_array(prefix).copy()
-        key = (len(tokens), _prefix_digests(tokens, [len(tokens)])[len(tokens)])
-        if key in self._entries:
-            self._entries.move_to_end(key)
+        self._store(prefix, self._backend.fork(sequence))
+
+    def keep(self, prefix: Sequence[int], sequence: Any) -> None:
+        """Take `sequence` itself, which has read exactly `prefix` and is not used otherwise any more."""
+        if self.capacity == 0 or not prefix or self._touch(prefix):
+            self._backend.release(sequence)
             return
-        self._entries[key] = _Entry(tokens, self._backend.copy_sequence(sequence))
-        while len(self._entries) > self.capacity:
-            _, evicted = self._entries.popitem(last=False)
-            self._backend.release(evicted.state)
+        self._store(prefix, sequence)
+
+    def evict_oldest(self) -> bool:
+        """Release the least recently used entry; False when there is none."""
+        if not self._entries:
+            return False
+        _, evicted = self._entries.popitem(last=False)
+        self._backend.release(evicted.sequence)
+        return True
 
     def clear(self) -> None:
-        while self._entries:
-            _, entry = self._entries.popitem()
-            self._backend.release(entry.state)
+        while self.evict_oldest():
+            pass
+
+    def _store(self, prefix: Sequence[int], sequence: Any) -> None:
+        self._entries[_key(prefix)] = _Entry(_as_array(prefix).copy(), sequence)
+        while len(self._entries) > self.capacity:
+            self.evict_oldest()
+
+
+def _key(prefix: Sequence[int]) -> tuple[int, bytes]:
+    tokens = _as_array(prefix)
+    return len(tokens), _prefix_digests(tokens, [len(tokens)])[len(tokens)]
 
 
 def _as_array(tokens: Sequence[int]) -> np.ndarray:

@@ -1,8 +1,8 @@
 """One reply being generated: what happens to each sampled token, whoever drives the steps.
 
-The generator drives one reply; a batching scheduler drives many, sampling them in one call and
-decoding them in one backend step. Both feed each sampled token to `Reply.accept`, which applies the
-end tokens, the token budget, stop strings and output parsing, and keeps the texts and counts.
+The engine drives many at once, choosing their tokens in one call and decoding them in one backend step,
+and feeds each chosen token to its `Reply.accept`, which applies the end tokens, the token budget, stop
+strings and output parsing, and keeps the texts and counts.
 """
 
 from __future__ import annotations
@@ -30,17 +30,15 @@ class GenerationOptions:
     """Most tokens to generate; None runs until an end token or the context is full."""
     stop: tuple[str, ...] = ()
     """Strings that end the reply where they appear; they are not included in it."""
-    prefill_chunk: int = 512
-    """Prompt tokens per prefill call; progress is reported after each."""
     raw_text: bool = False
     """Return the generated text as it is (plain completions) instead of parsing `<think>` blocks and tool
     calls out of it (chat replies)."""
+    ignore_eos: bool = False
+    """Keep generating past end tokens (benchmarks on random weights; llama.cpp's ignore_eos)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
 
 
 class Reply:
@@ -76,7 +74,7 @@ class Reply:
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.tool_calls: list[ToolCallEvent] = []
-        self._end_tokens = tokenizer.eos_token_ids
+        self._end_tokens = frozenset() if options.ignore_eos else tokenizer.eos_token_ids
         self._decoder = tokenizer.stream_decoder()
         self._stopper = StopStringMatcher(options.stop)
         self._parser = RawText() if options.raw_text else OutputParser(starts_in_reasoning, tools=tools)

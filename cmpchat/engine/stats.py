@@ -33,6 +33,8 @@ class EngineStats:
     """Requests finished, by finish reason. Every key exists from the start, so a reader iterating it on
     another thread never sees it change size."""
     failed: int = 0
+    preemptions: int = 0
+    """Times a running request gave back its sequence to free KV pages (it resumes later)."""
 
     def count_finish(self, reason: str, made_tool_calls: bool) -> None:
         self.finished["tool_calls" if reason == "stop" and made_tool_calls else reason] += 1

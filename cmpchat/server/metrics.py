@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from cmpchat.engine.batch import BatchEngine
+from cmpchat.engine.engine import Engine
 from cmpchat.engine.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -19,12 +20,15 @@ class _Metric:
     """(label text, value) pairs; label text is "" or `{key="value"}`."""
 
 
-def render_metrics(engine: BatchEngine | None, *, slots: int) -> str:
+def render_metrics(engine: Engine[Any] | None, *, slots: int) -> str:
     """The metrics page; an engine of None (model not loaded yet) reports zeros."""
     stats = engine.stats if engine is not None else EngineStats()
     running = engine.running if engine is not None else 0
     waiting = engine.waiting if engine is not None else 0
     cached_states = len(engine.prefix_cache) if engine is not None else 0
+    pool = engine.backend.pool if engine is not None else None
+    free_pages = pool.free_pages if pool is not None else 0
+    total_pages = pool.total_pages if pool is not None else 0
     finished = dict(stats.finished)
     metrics = [
         _gauge("model_loaded", "1 once the model is loaded and the server takes requests", float(engine is not None)),
@@ -51,6 +55,10 @@ def render_metrics(engine: BatchEngine | None, *, slots: int) -> str:
         ),
         _counter("requests_failed_total", "requests the engine could not finish", stats.failed),
         _gauge("prefix_cache_states", "saved sequence states kept for prefix reuse", cached_states),
+        _counter("preemptions_total", "times a request gave back its KV pages to others and resumed later",
+                 stats.preemptions),  # fmt: skip
+        _gauge("kv_pages_free", "free pages of the shared KV cache", free_pages),
+        _gauge("kv_pages", "pages of the shared KV cache", total_pages),
     ]
     lines: list[str] = []
     for metric in metrics:

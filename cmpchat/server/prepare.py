@@ -60,22 +60,13 @@ def prepare_chat(body: ChatCompletionRequest, model: Model, settings: ServerSett
     tools = _tools(body)
     enable_thinking = _enable_thinking(body.chat_template_kwargs)
     try:
-        prompt = model.render(messages, tools=tools, enable_thinking=enable_thinking)
-        history = model.chat_format.render(
-            messages, tools=tools, enable_thinking=enable_thinking, add_generation_prompt=False
+        limit = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
+        generation = model.chat_request(
+            messages, _options(body, settings, limit), tools=tools, enable_thinking=enable_thinking
         )
     except CmpchatError as err:
         raise ApiError(400, f"messages: {err}", param="messages") from None
-    tokens = model.tokenize(prompt.text, parse_special=True)
-    _check_context(tokens, model)
-    limit = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
-    generation = GenerationRequest(
-        tuple(tokens),
-        _options(body, settings, limit),
-        starts_in_reasoning=prompt.thinking,
-        tools=tuple(tools) if tools else None,
-        cache_points=_conversation_end(tokens, prompt.text, history.text, model),
-    )
+    _check_context(generation.prompt, model)
     return PreparedRequest(generation, body.stream, _include_usage(body))
 
 
@@ -126,7 +117,7 @@ def _options(body: GenerationFields, settings: ServerSettings, max_tokens: int) 
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")
-    return GenerationOptions(sampling=sampling, max_tokens=max_tokens, stop=stop, prefill_chunk=settings.prefill_chunk)
+    return GenerationOptions(sampling=sampling, max_tokens=max_tokens, stop=stop)
 
 
 def _pick(value: _T | None, default: _T) -> _T:
@@ -203,18 +194,6 @@ def _enable_thinking(kwargs: dict[str, Any] | None) -> bool | None:
     return value
 
 
-def _conversation_end(tokens: Sequence[int], prompt: str, history: str, model: Model) -> tuple[int, ...]:
-    """Where the generation prompt begins, if it begins on a token boundary: the next turn of this
-    conversation repeats everything before it, so the state there is worth saving."""
-    if not history or not prompt.startswith(history):
-        return ()
-    history_tokens = model.tokenize(history, parse_special=True)
-    end = len(history_tokens)
-    if 0 < end < len(tokens) and list(tokens[:end]) == history_tokens:
-        return (end,)
-    return ()
-
-
 def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]], model: Model) -> list[int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -231,7 +210,7 @@ def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]], mo
 def _check_context(tokens: Sequence[int], model: Model) -> None:
     if not tokens:
         raise ApiError(400, "the prompt is empty", param="prompt")
-    context = model.config.context_length
+    context = model.backend.context_limit
     if len(tokens) >= context:
         raise ApiError(
             400,

@@ -1,4 +1,4 @@
-"""The served model and its batching engine, and the bridge from the engine's thread to asyncio.
+"""The served model and its engine, and the bridge from the engine's thread to asyncio.
 
 The model loads on a background thread so the server answers /health (503) while it loads. Each
 request gets an asyncio queue; the engine's event callback puts batches on it with
@@ -14,9 +14,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from cmpchat.api import Model
-from cmpchat.engine.batch import BatchEngine
+from cmpchat.engine.engine import Engine
 from cmpchat.engine.events import Finished
 from cmpchat.engine.request import EngineEvent, EngineStopped, Failed, GenerationRequest, QueueFull, RequestHandle
 from cmpchat.errors import CmpchatError
@@ -47,7 +48,7 @@ class Runtime:
         self.state = LoadState.LOADING
         self.error: str | None = None
         self.model: Model | None = None
-        self.engine: BatchEngine | None = None
+        self.engine: Engine[Any] | None = None
         self.model_name = settings.model_name or ""
         self.created = int(time.time())
         self._load = load
@@ -61,14 +62,7 @@ class Runtime:
     def _load_model(self) -> None:
         try:
             model = self._load()
-            engine = BatchEngine(
-                model.backend,
-                model.tokenizer,
-                slots=self.settings.slots,
-                max_waiting=self.settings.max_queue,
-                prefill_chunk=self.settings.prefill_chunk,
-                cache_entries=self.settings.prefix_cache_entries,
-            )
+            engine = model.engine
         except Exception as err:  # any failure must reach the operator as one line, and /health
             message = str(err) if isinstance(err, CmpchatError) else f"{type(err).__name__}: {err}"
             if not isinstance(err, CmpchatError):
@@ -92,7 +86,7 @@ class Runtime:
         if engine is not None:
             engine.stop()
 
-    def ready(self) -> tuple[Model, BatchEngine]:
+    def ready(self) -> tuple[Model, Engine[Any]]:
         """The model and engine, or a 503 saying why they are not there."""
         if self.model is None or self.engine is None:
             if self.state is LoadState.FAILED:
@@ -109,7 +103,7 @@ class Runtime:
 class RequestStream:
     """One submitted request seen from asyncio: its event batches in order, and cancellation."""
 
-    def __init__(self, engine: BatchEngine, request: GenerationRequest) -> None:
+    def __init__(self, engine: Engine[Any], request: GenerationRequest) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Sequence[EngineEvent]] = asyncio.Queue()
 

@@ -47,9 +47,8 @@ def open_requested(
 
 
 def context_limit(model: Model) -> int:
-    """Tokens a conversation may hold: what the backend allocated (GPU), else the model's own maximum."""
-    allocated = getattr(model.backend, "context_per_sequence", None)
-    return int(allocated) if allocated else model.config.context_length
+    """Tokens a conversation may hold."""
+    return model.backend.context_limit
 
 
 def model_sees_images(model: object) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cmpchat.engine.generator import GenerationOptions
+from cmpchat.engine.reply import GenerationOptions
 from cmpchat.paths import config_dir, data_dir
 from cmpchat.sampling import SamplingParams
 

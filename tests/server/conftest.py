@@ -14,7 +14,7 @@ from cmpchat.model.gguf_file import ModelFile
 from cmpchat.server.settings import ServerSettings
 from cmpchat.tokenizer import Tokenizer
 from tests.server.live import LiveServer, live_server
-from tests.server.scripted import ScriptedBackend
+from tests.scripted_backend import ScriptedBackend
 
 API_KEY = "test-key"
 

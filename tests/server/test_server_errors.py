@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.server.live import LiveServer
-from tests.server.scripted import EXPLODE
+from tests.scripted_backend import EXPLODE
 
 
 def post(server: LiveServer, path: str, **kwargs) -> httpx.Response:

@@ -15,7 +15,7 @@ from cmpchat.errors import CmpchatError
 from cmpchat.server.settings import ServerSettings
 from tests.server.conftest import API_KEY, client_for, scripted_model
 from tests.server.live import live_server, metric
-from tests.server.scripted import FOREVER
+from tests.scripted_backend import FOREVER
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:

@@ -1,8 +1,6 @@
-"""Gated full attention (QWEN35.md "Gated full-attention layer") over a growing KV cache."""
+"""Gated full attention (QWEN35.md "Gated full-attention layer") over a paged KV cache."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -11,20 +9,42 @@ from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
 
-@dataclass
-class KvCache:
-    """Keys (after norm and RoPE) and values of every token seen, [tokens, Hkv, hd]."""
+class PagedKv:
+    """The K/V pages of every attention layer: keys (after norm and RoPE) and values, [page_tokens, Hkv, hd] a
+    page, made on first use. Which pages a sequence holds is the pool's business (`kv_pool.PageList`)."""
 
-    keys: np.ndarray
-    values: np.ndarray
+    def __init__(self, config: ModelConfig, page_tokens: int, dtype: type) -> None:
+        self.page_tokens = page_tokens
+        self.dtype = dtype
+        self._shape = (page_tokens, config.num_kv_heads, config.head_dim)
+        self._pages: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-    @classmethod
-    def empty(cls, config: ModelConfig, dtype: type) -> KvCache:
-        shape = (0, config.num_kv_heads, config.head_dim)
-        return cls(np.zeros(shape, dtype=dtype), np.zeros(shape, dtype=dtype))
+    def _page(self, layer: int, page: int) -> tuple[np.ndarray, np.ndarray]:
+        entry = self._pages.get((layer, page))
+        if entry is None:
+            entry = self._pages[layer, page] = (np.zeros(self._shape, self.dtype), np.zeros(self._shape, self.dtype))
+        return entry
 
-    def copy(self) -> KvCache:
-        return KvCache(self.keys.copy(), self.values.copy())
+    def write(self, layer: int, pages: list[int], start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Store the K/V of tokens start, start+1, ... in their pages."""
+        for offset in range(keys.shape[0]):
+            position = start + offset
+            page_keys, page_values = self._page(layer, pages[position // self.page_tokens])
+            page_keys[position % self.page_tokens] = keys[offset]
+            page_values[position % self.page_tokens] = values[offset]
+
+    def read(self, layer: int, pages: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of tokens 0..length-1, float32 [length, Hkv, hd]."""
+        used = pages[: -(-length // self.page_tokens)]
+        keys = np.concatenate([self._page(layer, page)[0] for page in used])[:length]
+        values = np.concatenate([self._page(layer, page)[1] for page in used])[:length]
+        return keys.astype(np.float32), values.astype(np.float32)
+
+    def copy_page(self, layers: list[int], source: int, target: int, tokens: int) -> None:
+        """The first `tokens` tokens of page `source` into page `target`, in every attention layer."""
+        for layer in layers:
+            for src, dst in zip(self._page(layer, source), self._page(layer, target), strict=True):
+                dst[:tokens] = src[:tokens]
 
 
 class GatedAttention:
@@ -41,7 +61,10 @@ class GatedAttention:
     def linears(self) -> list[Linear]:
         return [self.q, self.k, self.v, self.out]
 
-    def __call__(self, x: np.ndarray, cache: KvCache, positions: np.ndarray) -> np.ndarray:
+    def __call__(
+        self, x: np.ndarray, kv: PagedKv, layer: int, pages: list[int], past: int, positions: np.ndarray
+    ) -> np.ndarray:
+        """The layer's output for `x`, the rows of tokens past, past+1, ... of the sequence holding `pages`."""
         cfg = self.config
         steps = x.shape[0]
         # Per head, the first hd outputs are the query and the next hd the output gate.
@@ -54,11 +77,8 @@ class GatedAttention:
         query = apply_rope(rms_norm(query, self.q_norm, cfg.rms_eps), angles)
         key = apply_rope(rms_norm(key, self.k_norm, cfg.rms_eps), angles)
 
-        past = cache.keys.shape[0]
-        cache.keys = np.concatenate([cache.keys, key.astype(cache.keys.dtype)])
-        cache.values = np.concatenate([cache.values, value.astype(cache.values.dtype)])
-        keys = cache.keys.astype(np.float32)
-        values = cache.values.astype(np.float32)
+        kv.write(layer, pages, past, key.astype(kv.dtype), value.astype(kv.dtype))
+        keys, values = kv.read(layer, pages, past + steps)
 
         group = cfg.num_heads // cfg.num_kv_heads
         kv_head = np.arange(cfg.num_heads) // group

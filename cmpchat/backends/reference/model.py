@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cmpchat.backends.base import Backend
-from cmpchat.backends.reference.attention import GatedAttention, KvCache
+from cmpchat.backends.base import Backend, HostLogits, TokenInput, host_tokens
+from cmpchat.backends.kv_pool import PageList, PagePool, PoolExhausted
+from cmpchat.backends.reference.attention import GatedAttention, PagedKv
 from cmpchat.backends.reference.gated_deltanet import GatedDeltaNet, RecurrentState
 from cmpchat.backends.reference.layers import Linear, linear_weight_bytes, rms_norm, silu
 from cmpchat.errors import CmpchatError
@@ -22,16 +23,18 @@ from cmpchat.model.config import LayerKind, ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
 
-@dataclass
+@dataclass(eq=False)
 class ReferenceSequence:
-    """One conversation's state: per layer a KV cache or a recurrent state, and the next text position."""
+    """One sequence's state: its KV pages, a recurrent state per GDN layer, and the next text position."""
 
-    layers: list[KvCache | RecurrentState]
-    length: int = 0
+    pages: PageList
+    recurrent: dict[int, RecurrentState]
     next_position: int = 0
+    released: bool = False
 
-    def copy(self) -> ReferenceSequence:
-        return ReferenceSequence([s.copy() for s in self.layers], self.length, self.next_position)
+    @property
+    def length(self) -> int:
+        return self.pages.length
 
 
 @dataclass
@@ -39,6 +42,8 @@ class _Segment:
     sequence: ReferenceSequence
     tokens: np.ndarray
     positions: np.ndarray  # [T, 3] (t, h, w)
+    past: int = 0
+    """Tokens the sequence had read before this segment."""
     rows: slice = field(default_factory=lambda: slice(0))
 
 
@@ -72,25 +77,41 @@ class DecoderLayer:
     def linears(self) -> list[Linear]:
         return self.mixer.linears() + self.mlp.linears()
 
-    def __call__(self, x: np.ndarray, segments: list[_Segment], layer: int) -> np.ndarray:
+    def __call__(self, x: np.ndarray, segments: list[_Segment], layer: int, kv: PagedKv) -> np.ndarray:
         h = rms_norm(x, self.mixer_norm, self.eps)
         mixed = np.empty_like(x)
         for seg in segments:
-            state = seg.sequence.layers[layer]
+            sequence = seg.sequence
             if isinstance(self.mixer, GatedAttention):
-                mixed[seg.rows] = self.mixer(h[seg.rows], state, seg.positions)
+                mixed[seg.rows] = self.mixer(h[seg.rows], kv, layer, sequence.pages.pages, seg.past, seg.positions)
             else:
-                mixed[seg.rows] = self.mixer(h[seg.rows], state)
+                mixed[seg.rows] = self.mixer(h[seg.rows], sequence.recurrent[layer])
         x = x + mixed
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
 
 
-class ReferenceBackend(Backend):
-    """fp32 numpy model. `mirror_gpu=True` rounds as the GPU engine does (int8 activations, fp16 KV)."""
+class ReferenceBackend(Backend[ReferenceSequence]):
+    """fp32 numpy model. `mirror_gpu=True` rounds as the GPU engine does (int8 activations, fp16 KV).
+
+    KV caches live in a pool of `pool_tokens` tokens in pages of `page_tokens` (made as they are first used, so
+    a large pool costs nothing until it fills); `max_sequences` bounds the sequences held at once, as a GPU's
+    recurrent-state slots do, and `context` the tokens of one sequence.
+    """
 
     name = "cpu"
+    max_batch = 16
 
-    def __init__(self, model_file: ModelFile, config: ModelConfig | None = None, *, mirror_gpu: bool = False) -> None:
+    def __init__(
+        self,
+        model_file: ModelFile,
+        config: ModelConfig | None = None,
+        *,
+        mirror_gpu: bool = False,
+        context: int | None = None,
+        pool_tokens: int | None = None,
+        page_tokens: int = 256,
+        max_sequences: int = 64,
+    ) -> None:
         self.config = config or ModelConfig.from_model_file(model_file)
         self.model_file = model_file
         self.mirror_gpu = mirror_gpu
@@ -100,45 +121,70 @@ class ReferenceBackend(Backend):
         self.output_norm = model_file.dequantize("output_norm.weight")
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         self.lm_head = Linear(model_file, head_name, mirror_gpu=mirror_gpu)
-        self._kv_dtype = np.float16 if mirror_gpu else np.float32
+        context_limit = min(context or cfg.context_length, cfg.context_length)
+        pool_tokens = pool_tokens or 4 * context_limit
+        self.pool = PagePool(-(-pool_tokens // page_tokens), page_tokens)
+        # One sequence can always grow to its limit once the others give their pages back.
+        self.context_limit = min(context_limit, self.pool.total_tokens)
+        self.kv = PagedKv(cfg, page_tokens, np.float16 if mirror_gpu else np.float32)
+        self.max_sequences = max_sequences
+        self._held = 0
 
-    # -- Backend interface ------------------------------------------------------------------------
+    # -- sequences --------------------------------------------------------------------------------
+
+    @property
+    def held_sequences(self) -> int:
+        return self._held
 
     def new_sequence(self) -> ReferenceSequence:
-        cfg = self.config
-        states: list[KvCache | RecurrentState] = [
-            KvCache.empty(cfg, self._kv_dtype) if kind is LayerKind.ATTENTION else RecurrentState.empty(cfg)
-            for kind in cfg.layer_kinds
-        ]
-        return ReferenceSequence(states)
+        self._take_sequence()
+        states = {i: RecurrentState.empty(self.config) for i in self.config.recurrent_layers}
+        return ReferenceSequence(PageList(self.pool), states)
 
-    def copy_sequence(self, sequence: ReferenceSequence) -> ReferenceSequence:
-        return sequence.copy()
+    def fork(self, sequence: ReferenceSequence) -> ReferenceSequence:
+        _check_live(sequence)
+        self._take_sequence()
+        states = {i: state.copy() for i, state in sequence.recurrent.items()}
+        return ReferenceSequence(sequence.pages.share(), states, sequence.next_position)
 
-    def sequence_length(self, sequence: ReferenceSequence) -> int:
+    def release(self, sequence: ReferenceSequence) -> None:
+        if not sequence.released:
+            sequence.pages.release()
+            sequence.released = True
+            self._held -= 1
+
+    def length(self, sequence: ReferenceSequence) -> int:
         return sequence.length
 
-    def prefill(
-        self,
-        sequence: ReferenceSequence,
-        tokens: Sequence[int],
-        *,
-        positions: np.ndarray | None = None,
-        all_logits: bool = False,
-    ) -> np.ndarray:
-        if len(tokens) == 0:
-            raise ValueError("prefill needs at least one token")
-        segment = self._segment(sequence, tokens, positions)
-        hidden = self._forward([segment])
-        return self._logits(hidden if all_logits else hidden[-1:])[slice(None) if all_logits else 0]
+    def pages_to_grow(self, sequence: ReferenceSequence, tokens: int) -> int:
+        return sequence.pages.pages_to_grow(tokens)
 
-    def decode(self, sequences: Sequence[ReferenceSequence], tokens: Sequence[int]) -> np.ndarray:
+    def _take_sequence(self) -> None:
+        if self._held >= self.max_sequences:
+            raise CmpchatError(f"all {self.max_sequences} sequence states are in use; finish a conversation first")
+        self._held += 1
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def prefill(
+        self, sequence: ReferenceSequence, tokens: Sequence[int], *, positions: np.ndarray | None = None
+    ) -> HostLogits:
+        hidden = self._forward([self._segment(sequence, tokens, positions)])
+        return HostLogits(self._logits(hidden[-1:]))
+
+    def score(self, sequence: ReferenceSequence, tokens: Sequence[int]) -> np.ndarray:
+        return self._logits(self._forward([self._segment(sequence, tokens, None)]))
+
+    def decode(self, sequences: Sequence[ReferenceSequence], tokens: Sequence[TokenInput]) -> HostLogits:
         if len(sequences) != len(tokens):
             raise ValueError("one token per sequence")
+        if not 1 <= len(sequences) <= self.max_batch:
+            raise ValueError(f"a decode step takes 1 to {self.max_batch} sequences, got {len(sequences)}")
         if len({id(s) for s in sequences}) != len(sequences):
             raise ValueError("a sequence appears twice in one decode step")
-        segments = [self._segment(seq, [tok], None) for seq, tok in zip(sequences, tokens)]
-        return self._logits(self._forward(segments))
+        ids = host_tokens(tokens)
+        segments = [self._segment(seq, [tok], None) for seq, tok in zip(sequences, ids, strict=True)]
+        return HostLogits(self._logits(self._forward(segments)))
 
     # -- the model --------------------------------------------------------------------------------
 
@@ -149,30 +195,47 @@ class ReferenceBackend(Backend):
         return self.model_file.dequantize("token_embd.weight", rows=tokens)
 
     def _segment(self, sequence: ReferenceSequence, tokens: Sequence[int], positions: np.ndarray | None) -> _Segment:
+        _check_live(sequence)
         token_array = np.asarray(tokens, dtype=np.int64)
+        if token_array.size == 0:
+            raise ValueError("a step needs at least one token")
         if positions is None:
             text = sequence.next_position + np.arange(len(token_array))
             positions = np.repeat(text[:, None], 3, axis=1)
         positions = np.asarray(positions, dtype=np.int64)
         if positions.shape != (len(token_array), 3):
             raise ValueError("positions must be [T, 3] (t, h, w)")
-        return _Segment(sequence, token_array, positions)
+        if sequence.length + len(token_array) > self.context_limit:
+            raise CmpchatError(
+                f"{sequence.length + len(token_array)} tokens do not fit the {self.context_limit}-token context; "
+                "start a new conversation or shorten the prompt"
+            )
+        return _Segment(sequence, token_array, positions, past=sequence.length)
 
     def _forward(self, segments: list[_Segment]) -> np.ndarray:
+        x = self.embed(np.concatenate([seg.tokens for seg in segments]))  # checks the ids before pages move
+        needed = sum(seg.sequence.pages.pages_to_grow(len(seg.tokens)) for seg in segments)
+        if needed > self.pool.free_pages:
+            raise PoolExhausted(f"this step needs {needed} KV pages but {self.pool.free_pages} are free")
         start = 0
         for seg in segments:
             seg.rows = slice(start, start + len(seg.tokens))
             start += len(seg.tokens)
-        x = self.embed(np.concatenate([seg.tokens for seg in segments]))
+            for copy in seg.sequence.pages.grow(len(seg.tokens)):
+                self.kv.copy_page(self.config.attention_layers, copy.source, copy.target, copy.tokens)
         for index, layer in enumerate(self.layers):
-            x = layer(x, segments, index)
+            x = layer(x, segments, index, self.kv)
         for seg in segments:
-            seg.sequence.length += len(seg.tokens)
             seg.sequence.next_position = int(seg.positions.max()) + 1
         return x
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.lm_head(rms_norm(hidden, self.output_norm, self.config.rms_eps))
+
+
+def _check_live(sequence: ReferenceSequence) -> None:
+    if sequence.released:
+        raise ValueError("the sequence was released")
 
 
 def _check_host_memory(model_file: ModelFile, config: ModelConfig) -> None:

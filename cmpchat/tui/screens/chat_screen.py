@@ -20,7 +20,7 @@ from textual.timer import Timer
 from textual.widgets import Footer
 
 from cmpchat.chat.messages import Message
-from cmpchat.engine.generator import GenerationOptions
+from cmpchat.engine.reply import GenerationOptions
 from cmpchat.errors import CmpchatError
 from cmpchat.tui.model_request import context_limit, model_sees_images
 from cmpchat.tui.reply_run import ReplyRun, UpdatePacer

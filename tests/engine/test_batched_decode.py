@@ -30,7 +30,7 @@ def test_batched_decode_logits_match_single_sequence_logits(tiny_model_path: Pat
     batched = [backend.new_sequence() for _ in prompts]
     for sequence, prompt in zip(batched, prompts, strict=True):
         backend.prefill(sequence, prompt)
-    alone = [backend.copy_sequence(sequence) for sequence in batched]
+    alone = [backend.fork(sequence) for sequence in batched]
     for _ in range(6):
         tokens = rng.integers(0, 256, size=len(prompts)).tolist()
         together = backend.to_host(backend.decode(batched, tokens))
