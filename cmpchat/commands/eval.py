@@ -38,12 +38,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--ctx", type=int, default=512, metavar="N", help="window size in tokens (default 512)")
     parser.add_argument("--chunks", type=int, metavar="N", help="use at most N windows of the text")
     parser.add_argument("--base", default="", metavar="SPEC", help=f"the reference configuration ({keys_help()})")
-    parser.add_argument("--test", action="append", default=[], metavar="SPEC", help="a configuration to compare (repeatable)")
+    parser.add_argument(
+        "--test", action="append", default=[], metavar="SPEC", help="a configuration to compare (repeatable)"
+    )
     parser.add_argument("--needle", action="store_true", help="run the pass-key grid")
     parser.add_argument("--needle-max", type=int, default=8192, metavar="N", help="longest context (default 8192)")
     parser.add_argument("--lengths", metavar="N,N", help="context lengths instead of 1K doubling to --needle-max")
     parser.add_argument("--depths", metavar="P,P", help="depths in percent (default 10,20,...,90)")
-    parser.add_argument("--trials", type=int, default=MIN_TRIALS, metavar="N", help=f"trials per cell (default {MIN_TRIALS})")
+    parser.add_argument(
+        "--trials", type=int, default=MIN_TRIALS, metavar="N", help=f"trials per cell (default {MIN_TRIALS})"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the pass keys")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.set_defaults(handler=run)
@@ -81,7 +85,12 @@ def run(args: argparse.Namespace) -> int:
     context = max([args.ctx] + lengths) + CONTEXT_MARGIN
 
     base = _open(base_spec, args.model, context)
-    tests = {spec.describe(): _open(spec, args.model, context) for spec in test_specs}
+    tests: dict[str, Model] = {}
+    for spec in test_specs:
+        name = spec.describe()
+        while name in tests or name == base_spec.describe():
+            name += "'"  # the same configuration twice still gets a row of its own
+        tests[name] = _open(spec, args.model, context)
     result: dict = {"model": str(args.model), "base": base_spec.describe()}
     progress = StderrProgress()
     try:
