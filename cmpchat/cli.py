@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 from cmpchat import __version__
 from cmpchat.commands import bench, chat_app, doctor, info, run, serve, tokenize
+from cmpchat.commands import eval as evaluate
 from cmpchat.errors import CmpchatError
 
-COMMANDS = (chat_app, run, serve, info, tokenize, bench, doctor)
+COMMANDS = (chat_app, run, serve, info, tokenize, bench, doctor, evaluate)
 
 
 def build_parser() -> argparse.ArgumentParser:
