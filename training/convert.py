@@ -234,6 +234,7 @@ def main() -> None:
         "tokenizer_cases": cases,
         "logits": stats,
         "training": summary,
+        "corpus": json.loads((Path(args.data) / "corpus_stats.json").read_text()),
         "gguf": {k: make_oracle.gguf_summary(p) for k, p in files.items() if k == "q8_0"},
     }
     manifest["gguf"]["q8_0"]["metadata"].pop("tokenizer.ggml.merges", None)

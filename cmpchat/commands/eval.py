@@ -87,9 +87,10 @@ def run(args: argparse.Namespace) -> int:
     base = _open(base_spec, args.model, context)
     tests: dict[str, Model] = {}
     for spec in test_specs:
-        name = spec.describe()
+        name, copy = spec.describe(), 1
         while name in tests or name == base_spec.describe():
-            name += "'"  # the same configuration twice still gets a row of its own
+            copy += 1  # the same configuration twice still gets a row of its own
+            name = f"{spec.describe()} ({copy})"
         tests[name] = _open(spec, args.model, context)
     result: dict = {"model": str(args.model), "base": base_spec.describe()}
     progress = StderrProgress()
