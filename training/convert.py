@@ -226,7 +226,11 @@ def main() -> None:
         "npz_layout": "ids_<prompt>: int32 [T]; pos_<prompt>: int32, the positions kept; logits_q8_0_<prompt>: "
         "float32 [len(pos), vocab], transformers (fp32, full causal forward, no cache) on the "
         "dequantised Q8_0 matrices, row i predicting the token after position pos[i]",
-        "config": {k: v for k, v in cfg.to_dict().items() if not isinstance(v, dict) or k == "rope_parameters"},
+        "config": {
+            k: v
+            for k, v in cfg.to_dict().items()
+            if (not isinstance(v, dict) or k == "rope_parameters") and k != "_name_or_path"  # a local path
+        },
         "vocab_size": cfg.vocab_size,
         "added_tokens": added,
         "eos": "<|im_end|>",
