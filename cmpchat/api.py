@@ -58,6 +58,24 @@ class Model:
         )
         """Generates every reply; driven by the caller's thread unless a front end starts its own (the server)."""
 
+    def configure_engine(
+        self, *, slots: int, max_waiting: int, prefill_chunk: int, cache_states: int | None = None
+    ) -> Engine[Any]:
+        """Replace the engine by one with these settings (before any request: a front end's own, e.g. the
+        server's `--slots`); the backend must hold `slots` sequences and what is saved beside them."""
+        if self.engine.running or self.engine.waiting:
+            raise RuntimeError("the engine is busy")
+        self.engine.prefix_cache.clear()
+        self.engine = Engine(
+            self.backend,
+            self.tokenizer,
+            slots=slots,
+            max_waiting=max_waiting,
+            prefill_chunk=prefill_chunk,
+            cache_states=cache_states,
+        )
+        return self.engine
+
     @property
     def config(self) -> ModelConfig:
         return self.backend.config
@@ -266,4 +284,3 @@ def open_model(
     loaded.warm_up(progress, max_rows=min(sequences, loaded.max_batch))
     return Model(model_file, loaded, is_demo=is_demo, slots=sequences, max_waiting=max_waiting,
                  prefill_chunk=prefill_chunk)  # fmt: skip
-

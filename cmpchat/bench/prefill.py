@@ -130,7 +130,7 @@ def gemm_ops_per_step(backend: CudaBackend) -> int:
     from cmpchat.backends.gpu.weights import AttentionWeights
 
     weights = 0
-    for layer in backend.weights.layers:
+    for layer in (layer for stage in backend.stages for layer in stage.weights.layers.values()):
         mixer = layer.mixer
         inner = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.projection
         for matrix in (inner, mixer.output, layer.gate_up, layer.down):

@@ -124,14 +124,15 @@ def run_decode_bench(args: argparse.Namespace) -> int:
 
 def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeReport:
     from cmpchat.backends.gpu.model import CudaBackend
-    from cmpchat.bench.decode import WARMUP_STEPS, plan_phases, run_decode
+    from cmpchat.bench.decode import WARMUP_STEPS, run_decode
     from cmpchat.bench.limits import weight_bytes_per_step
     from cmpchat.bench.llama_cpp import decode_command, run_llama_bench
     from cmpchat.bench.report import DecodeReport, format_decode
-    from cmpchat.cudart.raw_launch import early_launch_enabled
+    from cmpchat.cudart.raw_launch import RawLaunch
     from cmpchat.kernels.throughput_probes import streaming_read_bandwidth
     from cmpchat.model.config import ModelConfig
     from cmpchat.model.gguf_file import ModelFile
+    from cmpchat.tokenizer import Tokenizer
 
     progress = StderrProgress()
     try:
@@ -140,44 +141,48 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeRepor
         progress.close()
     model_file = ModelFile(path)
     config = ModelConfig.from_model_file(model_file)
-    margin = args.tokens + WARMUP_STEPS + 512  # the timed steps, and the attention tile rounding
-
-    def fits(sequences: int, context: int) -> bool:
-        try:
-            plan = CudaBackend.memory_plan(model_file, config, sequences=sequences, context=context)
-        except CmpchatError:
-            return False
-        return plan.context_per_sequence >= context
-
-    phases, notes = plan_phases(args.contexts, args.batches, margin, fits)
-    for note in notes:
-        _say(f"{path.name}: {note}")
-    if not phases:
+    margin = args.tokens + WARMUP_STEPS + 2  # the generated tokens
+    slots = max([1, *args.batches])
+    progress = StderrProgress()
+    try:
+        backend = CudaBackend(model_file, config, sequences=slots, saved_states=2,
+                              context=max(args.contexts) + margin, progress=progress)  # fmt: skip
+        backend.warm_up(progress, max_rows=slots)
+    finally:
+        progress.close()
+    for line in backend.describe():
+        _say(line)
+    pool = backend.pool.total_tokens
+    contexts = [c for c in args.contexts if c + margin <= backend.context_limit]
+    batches = [
+        b
+        for b in args.batches
+        if contexts and b * backend.pool.pages_for(contexts[0] + margin) < backend.pool.total_pages
+    ]
+    for skipped in sorted(set(args.contexts) - set(contexts)):
+        _say(f"{path.name}: context {skipped} does not fit the {backend.context_limit}-token context here; skipped")
+    for skipped in sorted(set(args.batches) - set(batches)):
+        _say(f"{path.name}: {skipped} sequences do not fit the {pool}-token KV pool here; skipped")
+    if not contexts:
         raise CmpchatError(f"{path.name}: none of the requested runs fits on this GPU")
     _say(f"{path.name}: measuring streaming-read bandwidth")
     bandwidth = streaming_read_bandwidth()  # as `cmpchat doctor` measures it
     weights = weight_bytes_per_step(model_file, config)
-    runs = []
-    for phase in phases:
-        progress = StderrProgress()
-        try:
-            backend = CudaBackend(model_file, config, sequences=phase.sequences, context=phase.context,
-                                  progress=progress)  # fmt: skip
-        finally:
-            progress.close()
-        runs += run_decode(backend, weights, bandwidth, phase, args.tokens, _say)
-        gpu = backend.gpu.name
-        del backend
-        _free_gpu_memory()  # before the next load, or llama.cpp's
+    tokenizer = Tokenizer.from_metadata(model_file.metadata)
+    runs = run_decode(backend, tokenizer, weights, bandwidth, contexts, batches, args.tokens, _say)
+    gpu = backend.gpu.name
+    early = any(RawLaunch(launch).early for launch in backend.step_launches(1))
+    del backend
+    _free_gpu_memory()  # before llama.cpp loads the file
     llama = []
     if args.llama_bench:
-        _say(f"  llama-bench tg{args.tokens} at contexts {args.contexts}")
+        _say(f"  llama-bench tg{args.tokens} at contexts {contexts}")
         try:
-            llama = run_llama_bench(decode_command(args.llama_bench, path, args.contexts, args.tokens))
+            llama = run_llama_bench(decode_command(args.llama_bench, path, contexts, args.tokens))
         except CmpchatError as error:  # our figures still stand; the comparison is missing, and says why
             _say(f"  no llama.cpp comparison: {error}")
     shape = name if name in BENCH_SHAPES else None
-    report = DecodeReport(path.name, gpu, bandwidth, runs, llama, shape=shape, early_launch=early_launch_enabled())
+    report = DecodeReport(path.name, gpu, bandwidth, runs, llama, shape=shape, early_launch=early)
     print("\n".join(format_decode(report)), flush=True)
     return report
 

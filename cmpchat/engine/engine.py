@@ -113,14 +113,6 @@ class Engine(Generic[S]):
         """Queue `request`; its events go to `sink`, on the thread that runs the step. Raises `CmpchatError` for
         a prompt that cannot be served (empty, longer than a sequence's context or the whole KV pool) and
         `QueueFull` when the waiting queue is full."""
-        reply = Reply(
-            self.tokenizer,
-            request.prompt,
-            request.options,
-            self.backend.context_limit,
-            starts_in_reasoning=request.starts_in_reasoning,
-            tools=request.tools,
-        )
         pool = self.backend.pool
         pages = pool.pages_for(len(request.prompt) + 1)
         if pages > pool.total_pages:
@@ -129,6 +121,14 @@ class Engine(Generic[S]):
                 f"pool holds {pool.total_tokens} tokens ({pool.total_pages} pages); shorten it or give the GPU "
                 "more memory"
             )
+        reply = Reply(
+            self.tokenizer,
+            request.prompt,
+            request.options,
+            self.backend.context_limit,
+            starts_in_reasoning=request.starts_in_reasoning,
+            tools=request.tools,
+        )
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the server is shutting down")

@@ -55,8 +55,9 @@ def render_metrics(engine: Engine[Any] | None, *, slots: int) -> str:
         ),
         _counter("requests_failed_total", "requests the engine could not finish", stats.failed),
         _gauge("prefix_cache_states", "saved sequence states kept for prefix reuse", cached_states),
-        _counter("preemptions_total", "times a request gave back its KV pages to others and resumed later",
-                 stats.preemptions),  # fmt: skip
+        _counter(
+            "preemptions_total", "times a request gave back its KV pages to others and resumed later", stats.preemptions
+        ),  # fmt: skip
         _gauge("kv_pages_free", "free pages of the shared KV cache", free_pages),
         _gauge("kv_pages", "pages of the shared KV cache", total_pages),
     ]

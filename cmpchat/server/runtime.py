@@ -62,7 +62,13 @@ class Runtime:
     def _load_model(self) -> None:
         try:
             model = self._load()
-            engine = model.engine
+            settings = self.settings
+            engine = model.configure_engine(
+                slots=settings.slots,
+                max_waiting=settings.max_queue,
+                prefill_chunk=settings.prefill_chunk,
+                cache_states=settings.prefix_cache_entries,
+            )
         except Exception as err:  # any failure must reach the operator as one line, and /health
             message = str(err) if isinstance(err, CmpchatError) else f"{type(err).__name__}: {err}"
             if not isinstance(err, CmpchatError):

@@ -1,12 +1,13 @@
 """The CUDA backend's per-step host <-> device traffic.
 
-A decode step's integer inputs (tokens, positions, page table, GDN slots) are views of one device buffer that
-one copy from pinned memory fills; GPU selection uploads one packed buffer (only the part its graph reads)
-and brings the ids back through pinned memory. These tests check the views' layout, that staged rows land
-where the kernels read them, that selection picks what the unpacked path (fresh device arrays, every
-input uploaded, as before the packing) picks, with the same draws from each reply's generator, and that it
-reads the logits it is given wherever they lie (its graphs are captured with one buffer's address). They
-run under the CUDA simulator; the `gpu` variants repeat them on a GPU (`pytest -m gpu`).
+A decode step's integer inputs (tokens, positions, GDN slots, page table) are views of one device buffer that
+copies from pinned memory fill: every step the first three, and only the page-table rows that changed; GPU
+selection uploads one packed buffer (only the part its graph reads) and brings the ids back through pinned
+memory. These tests check the views' layout, that staged rows land where the kernels read them, that selection
+picks what the unpacked path (fresh device arrays, every input uploaded, as before the packing) picks, with the
+same draws from each reply's generator, and that it reads the logits it is given wherever they lie (its graphs
+are captured with one buffer's address). They run under the CUDA simulator; the `gpu` variants repeat them on a
+GPU (`pytest -m gpu`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from cmpchat.backends.base import Chosen, Selector
 from cmpchat.backends.gpu.model import CudaBackend
-from cmpchat.backends.gpu.sampler import WINDOW, GpuSampler
-from cmpchat.backends.gpu.step import MAX_ROWS, StepBuffers
+from cmpchat.backends.gpu.sampler import RING, WINDOW, GpuSampler
+from cmpchat.backends.gpu.step import MAX_ROWS, StepInputs
 from cmpchat.errors import CmpchatError
 from cmpchat.kernels.sampling import (
     SamplingWorkspace,
@@ -27,7 +29,6 @@ from cmpchat.kernels.sampling import (
     sampling_launches,
     window_from_histories,
 )
-from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.sampling import SamplingParams, sample_token
 
@@ -40,96 +41,109 @@ def address(array) -> int:
     return interface["data"][0] if interface is not None else array.ctypes.data  # the simulator's numpy arrays
 
 
-def device_inputs(buffers: StepBuffers) -> tuple[np.ndarray, ...]:
-    return tuple(view.copy_to_host() for view in (buffers.tokens, buffers.positions, buffers.page_table,
-                                                  buffers.gdn_slots))  # fmt: skip
+def device_inputs(inputs: StepInputs) -> tuple[np.ndarray, ...]:
+    return tuple(view.copy_to_host() for view in (inputs.tokens, inputs.positions, inputs.gdn_slots, inputs.page_table))
 
 
 def idle_rows(rows: int) -> tuple[np.ndarray, ...]:
-    return (
-        np.full(rows, -1, np.int32),
-        np.full((rows, 4), -1, np.int32),
-        np.zeros((rows, 1), np.int32),
-        np.full(rows, -1, np.int32),
-    )
+    return np.full(rows, -1, np.int32), np.full((rows, 4), -1, np.int32), np.full(rows, -1, np.int32)
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)
-def test_step_inputs_are_aligned_views_of_one_buffer(tiny_model_path, where) -> None:
-    buffers = StepBuffers.allocate(ModelConfig.from_model_file(ModelFile(tiny_model_path)))
-    base = address(buffers.inputs)
-    layout = {"tokens": ((16,), 0), "positions": ((16, 4), 64), "page_table": ((16, 1), 320), "gdn_slots": ((16,), 384)}
+def test_step_inputs_are_aligned_views_of_one_buffer(where) -> None:
+    inputs = StepInputs(MAX_ROWS, pages_per_row=5)
+    base = address(inputs.device)
+    layout = {"tokens": ((16,), 0), "positions": ((16, 4), 64), "gdn_slots": ((16,), 320), "page_table": ((16, 5), 384)}
     for name, (shape, offset) in layout.items():
-        view = getattr(buffers, name)
+        view = getattr(inputs, name)
         assert tuple(view.shape) == shape and view.dtype == np.int32 and view.is_c_contiguous(), name
         assert address(view) - base == offset, name
         assert address(view) % 16 == 0, name
-    assert buffers.inputs.size == sum(int(np.prod(shape)) for shape, _ in layout.values())
+
+
+class CopyCounter:
+    """Counts the host-to-device copies `StepInputs` queues and the entries they carry."""
+
+    def __init__(self, inputs: StepInputs) -> None:
+        self.sizes: list[int] = []
+        copy = inputs._copy
+
+        def counted(turn, start, stop, stream):
+            self.sizes.append(stop - start)
+            copy(turn, start, stop, stream)
+
+        inputs._copy = counted
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)
-def test_staged_rows_land_in_the_device_views(tiny_model_path, where) -> None:
-    buffers = StepBuffers.allocate(ModelConfig.from_model_file(ModelFile(tiny_model_path)))
+def test_staged_rows_and_changed_page_table_rows_land_on_the_device(where) -> None:
+    inputs = StepInputs(MAX_ROWS, pages_per_row=4)
+    copies = CopyCounter(inputs)
     stream = cuda.stream()
-    tokens, positions, pages, slots = buffers.stage()
+    tokens, positions, slots = inputs.stage()
     tokens[:2] = [5, 7]
     positions[:2] = [(3, 3, 3, 3), (0, 10, 11, 12)]
-    pages[:2, 0] = [1, 0]
     slots[:2] = [1, 0]
-    buffers.upload(stream)
+    inputs.upload(stream, [[4, 2], [3]])
     stream.synchronize()
-    got = device_inputs(buffers)
+    got = device_inputs(inputs)
     np.testing.assert_array_equal(got[0][:2], [5, 7])
     np.testing.assert_array_equal(got[1][:2], [(3, 3, 3, 3), (0, 10, 11, 12)])
-    np.testing.assert_array_equal(got[2][:2, 0], [1, 0])
-    np.testing.assert_array_equal(got[3][:2], [1, 0])
-    for value, idle in zip(got, idle_rows(MAX_ROWS - 2), strict=True):
+    np.testing.assert_array_equal(got[2][:2], [1, 0])
+    assert got[3][0, :2].tolist() == [4, 2] and got[3][1, 0] == 3
+    for value, idle in zip(got[:3], idle_rows(MAX_ROWS - 2), strict=True):
         np.testing.assert_array_equal(value[2:], idle)
-    # Three steps queued without waiting: the mirrors alternate, each starts idle, the last upload wins.
+    assert copies.sizes[-1] == 2 * 4  # the header went up, then the two changed page-table rows
+    # Three steps queued without waiting: the mirrors alternate, each starts idle; unchanged tables stay put.
+    copies.sizes.clear()
     for step in range(3):
-        staged = buffers.stage()
+        staged = inputs.stage()
         for value, idle in zip(staged, idle_rows(MAX_ROWS), strict=True):
             np.testing.assert_array_equal(value, idle)
-        staged[0][0], staged[1][0], staged[2][0, 0], staged[3][0] = 40 + step, (step, 1, 2, 3), 2, 2
-        buffers.upload(stream)
+        staged[0][0], staged[1][0], staged[2][0] = 40 + step, (step, 1, 2, 3), 2
+        inputs.upload(stream, [[4, 2, 9]] if step == 2 else [[4, 2]])
     stream.synchronize()
-    got = device_inputs(buffers)
-    assert (got[0][0], tuple(got[1][0]), got[2][0, 0], got[3][0]) == (42, (2, 1, 2, 3), 2, 2)
-    for value, idle in zip(got, idle_rows(MAX_ROWS - 1), strict=True):
-        np.testing.assert_array_equal(value[1:], idle)
+    got = device_inputs(inputs)
+    assert (got[0][0], tuple(got[1][0]), got[2][0]) == (42, (2, 1, 2, 3), 2)
+    assert got[3][0, :3].tolist() == [4, 2, 9]
+    assert len(copies.sizes) == 4  # three headers, one table row: only the step that added a page sent it
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)
-def test_decode_stages_each_rows_inputs(tiny_model_path, where) -> None:
-    backend = CudaBackend(ModelFile(tiny_model_path), context=256, sequences=3)
+def test_decode_stages_each_rows_inputs_and_pages(tiny_model_path, where) -> None:
+    backend = CudaBackend(ModelFile(tiny_model_path), context=256, sequences=3, page_tokens=128)
     runs: list[tuple[int, bool]] = []
-    backend._run = lambda bucket, prompt: runs.append((bucket, prompt))  # the inputs only: kernels have own tests
+    stage = backend.stages[0]
+    stage.run_decode = lambda bucket, prompt: runs.append((bucket, prompt))  # the inputs only: kernels have own tests
     first, second = backend.new_sequence(), backend.new_sequence()
     backend.decode([first, second], [72, 33])
-    backend.stream.synchronize()
-    tokens, positions, pages, slots = device_inputs(backend.buffers)
+    stage.stream.synchronize()
+    tokens, positions, slots, pages = device_inputs(stage.buffers.inputs)
     np.testing.assert_array_equal(tokens[:2], [72, 33])
     np.testing.assert_array_equal(positions[:2], [(0, 0, 0, 0), (0, 0, 0, 0)])
-    np.testing.assert_array_equal(pages[:2, 0], [first.slot, second.slot])
     np.testing.assert_array_equal(slots[:2], [first.slot, second.slot])
+    assert [pages[0, 0], pages[1, 0]] == [
+        first.pages.pages[0],
+        second.pages.pages[0],
+    ] and first.pages.pages != second.pages.pages
     # A prompt's tokens are the rows of one step: one slot, consecutive cache indices, their own positions.
     backend.prefill(second, [5, 6], positions=np.array([[7, 8, 9], [10, 10, 11]]))
-    backend.stream.synchronize()
-    tokens, positions, pages, slots = device_inputs(backend.buffers)
+    stage.stream.synchronize()
+    tokens, positions, slots, pages = device_inputs(stage.buffers.inputs)
     np.testing.assert_array_equal(tokens[:2], [5, 6])
     np.testing.assert_array_equal(positions[:2], [(1, 7, 8, 9), (2, 10, 10, 11)])
-    np.testing.assert_array_equal(pages[:2, 0], [second.slot] * 2)
     np.testing.assert_array_equal(slots[:2], [second.slot] * 2)
+    assert pages[0, 0] == pages[1, 0] == second.pages.pages[0]
     backend.decode([first], [9])
-    backend.stream.synchronize()
+    stage.stream.synchronize()
     assert runs == [(2, False), (2, True), (1, False)]
-    got = device_inputs(backend.buffers)
-    assert (got[0][0], tuple(got[1][0]), got[2][0, 0], got[3][0]) == (9, (1, 1, 1, 1), first.slot, first.slot)
-    for value, idle in zip(got, idle_rows(MAX_ROWS - 1), strict=True):
+    got = device_inputs(stage.buffers.inputs)
+    assert (got[0][0], tuple(got[1][0]), got[2][0]) == (9, (1, 1, 1, 1), first.slot)
+    for value, idle in zip(got[:3], idle_rows(MAX_ROWS - 1), strict=True):
         np.testing.assert_array_equal(value[1:], idle)
     assert (second.length, second.next_position) == (3, 12)
     with pytest.raises(CmpchatError, match="do not fit"):
-        backend.prefill(first, [1] * backend.context_per_sequence)
+        backend.prefill(first, [1] * backend.context_limit)
     assert first.length == 2  # refused before anything ran
 
 
@@ -190,7 +204,7 @@ def test_selection_matches_the_unpacked_path(where) -> None:
         host[:, histories[0][-3:]] += 4  # recent tokens near the top, so the penalties matter
         expected = unpacked_select(host, params, histories, reference_rngs)
         logits.copy_to_device(host)
-        got = sampler.select(logits, params, histories, rngs).ids()
+        got = sampler.select(logits, params, histories, rngs).tokens()
         assert got == expected, f"step {step}"
         assert token_rows.copy_to_host()[:batch].tolist() == got  # where the next decode step reads them
         for row, p in enumerate(params):
@@ -216,41 +230,41 @@ def test_each_selection_reads_the_logits_it_is_given(where) -> None:
         host = np.zeros((source.shape[0], vocab), np.float32)
         host[row, winner] = 1.0
         source.copy_to_device(host)
-        assert sampler.select(source[row : row + 1], greedy, [[]], rng).ids() == [winner]
+        assert sampler.select(source[row : row + 1], greedy, [[]], rng).tokens() == [winner]
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)
-def test_a_choice_is_read_before_the_next_one_overwrites_it(where) -> None:
+def test_unread_choices_keep_their_ids_while_later_ones_are_made(where) -> None:
     vocab = 64
     stream = cuda.stream()
     logits = cuda.to_device(np.zeros((1, vocab), np.float32))
     sampler = GpuSampler(stream, use_graphs=True, logits_rows=logits, token_rows=cuda.device_array(16, np.int32))
     rng, greedy = [np.random.default_rng(0)], [SamplingParams()]
-    first = sampler.select(logits, greedy, [[]], rng)
-    logits.copy_to_device(np.eye(1, vocab, 9, dtype=np.float32))
-    second = sampler.select(logits, greedy, [[]], rng)  # waits for the first's copy before refilling the inputs
-    assert second.ids() == [9]
-    with pytest.raises(RuntimeError, match="overwrote"):
-        first.ids()
+    choices = []
+    for winner in range(RING + 3):  # more than the ring holds: the oldest get their ids as their place is reused
+        logits.copy_to_device(np.eye(1, vocab, winner, dtype=np.float32))
+        choices.append(sampler.select(logits, greedy, [[]], rng))
+    assert [choice.tokens() for choice in choices] == [[winner] for winner in range(RING + 3)]
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)
 def test_a_chosen_token_feeds_the_next_step_on_the_device(tiny_model_path, where) -> None:
-    backend = CudaBackend(ModelFile(tiny_model_path), context=256)
+    backend = CudaBackend(ModelFile(tiny_model_path), context=256, page_tokens=128)
+    stage = backend.stages[0]
     runs: list[tuple[int, bool]] = []
-    backend._run = lambda bucket, prompt: runs.append((bucket, prompt))  # the inputs only: kernels have own tests
+    stage.run_decode = lambda bucket, prompt: runs.append((bucket, prompt))  # the inputs only: kernels have own tests
     sequence = backend.new_sequence()
     logits = backend.decode([sequence], [5])
     logits.device.copy_to_device(np.eye(1, backend.config.vocab_size, 77, dtype=np.float32))
-    choice = backend.choose(logits, [SamplingParams()], [[5]], [np.random.default_rng(0)])
-    backend.decode_chosen([sequence], choice)  # queued before the id is read back
-    backend.stream.synchronize()
-    tokens, positions, _, slots = device_inputs(backend.buffers)
+    choice = backend.select(logits, [Selector(SamplingParams(), [5], np.random.default_rng(0))])
+    backend.decode([sequence], [Chosen(choice, 0)])  # queued before the id is read back
+    stage.stream.synchronize()
+    tokens, positions, slots, _ = device_inputs(stage.buffers.inputs)
     assert (tokens[0], tuple(positions[0]), slots[0]) == (77, (1, 1, 1, 1), sequence.slot)
-    assert choice.ids() == [77]
+    assert choice.tokens() == [77]
     # After a host-fed step the token input holds that step's token, so the choice's id comes from the host.
     backend.decode([sequence], [9])
-    backend.decode_chosen([sequence], choice)
-    backend.stream.synchronize()
-    assert device_inputs(backend.buffers)[0][0] == 77
+    backend.decode([sequence], [Chosen(choice, 0)])
+    stage.stream.synchronize()
+    assert device_inputs(stage.buffers.inputs)[0][0] == 77
     assert runs == [(1, False)] * 4 and sequence.length == 4

@@ -52,4 +52,3 @@ def test_a_full_pool_refuses_and_leaves_the_list_as_it_was() -> None:
     with pytest.raises(PoolExhausted, match="1 more KV pages of 4 tokens but 0 of 2 are free"):
         pages.grow(4)
     assert pages.length == 6 and len(pages.pages) == 2
-

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cmpchat.backends.gpu.memory_plan import plan_memory
+from cmpchat.backends.gpu.kv_layout import FP16
+from cmpchat.backends.gpu.memory_plan import StagePlan, plan_stage
 from cmpchat.errors import CmpchatError
 from cmpchat.model.builder import MODEL_SHAPES, tensor_specs
 from cmpchat.model.config import LayerKind, ModelConfig
@@ -43,29 +44,54 @@ def config_of(shape_name: str) -> tuple[ModelConfig, int, int]:
     return config, sum(sizes), max(sizes)
 
 
-def test_9b_fits_a_16_gb_card_with_a_long_context():
+def plan(config: ModelConfig, weights: int, largest: int, budget: int, **options) -> StagePlan:
+    return plan_stage(
+        config,
+        weights=weights,
+        largest_tensor=largest,
+        budget=budget,
+        kv_bytes_per_token=FP16.bytes_per_token(config, config.attention_layers),
+        recurrent_bytes_per_sequence=config.recurrent_state_bytes(),
+        **options,
+    )
+
+
+def test_9b_fits_a_16_gb_card_with_a_long_shared_pool():
     config, weights, largest = config_of("9B")
-    plan = plan_memory(config, weights=weights, largest_tensor=largest, budget=16 * GIB)
-    assert 8 * GIB < plan.weights < 10 * GIB  # 8.4 GB of layers + the 1 GiB embedding
-    assert plan.context_per_sequence >= 100_000  # 32 KiB of KV per token leaves room for ~150K tokens
-    assert plan.total <= plan.budget
-    assert plan.host_ram <= 128 * 2**20
-    assert "KV cache" in "\n".join(plan.describe())
+    stage = plan(config, weights, largest, 16 * GIB, sequences=5)
+    assert 8 * GIB < stage.weights < 10 * GIB  # 8.4 GB of layers + the 1 GiB embedding
+    assert stage.pool_tokens >= 100_000  # 32 KiB of KV per token leaves room for ~150K tokens, shared
+    assert stage.pool_tokens % stage.page_tokens == 0 and stage.context_limit == min(stage.pool_tokens, 262_144)
+    assert stage.recurrent_state == 5 * config.recurrent_state_bytes()
+    assert stage.total <= stage.budget
+    assert stage.host_ram <= 128 * 2**20
+    text = "\n".join(stage.describe())
+    assert "KV cache pool" in text and f"{stage.pool_tokens} tokens f16" in text and "warning" not in text
+
+
+def test_a_context_beyond_the_pool_is_capped_with_a_warning():
+    config, weights, largest = config_of("9B")
+    stage = plan(config, weights, largest, 16 * GIB, context=262_144)
+    assert stage.context_limit == stage.pool_tokens < 262_144
+    assert any(line.startswith("warning: --ctx 262144 exceeds") for line in stage.describe())
 
 
 def test_27b_does_not_fit_one_card_and_says_so():
     config, weights, largest = config_of("27B")
     with pytest.raises(CmpchatError, match=r"needs .* GiB on the GPU .* 16\.0 GiB is usable"):
-        plan_memory(config, weights=weights, largest_tensor=largest, budget=16 * GIB)
+        plan(config, weights, largest, 16 * GIB)
 
 
-def test_more_sequences_share_the_kv_budget():
+def test_more_sequence_states_leave_a_smaller_pool_and_kv_tokens_cap_it():
     config, weights, largest = config_of("4B")
-    one = plan_memory(config, weights=weights, largest_tensor=largest, budget=16 * GIB, context=262_144)
-    four = plan_memory(config, weights=weights, largest_tensor=largest, budget=16 * GIB, sequences=4, context=262_144)
-    assert four.context_per_sequence < one.context_per_sequence
-    assert one.context_per_sequence == 262_144  # the whole context fits for one sequence
-    assert four.total <= four.budget
+    one = plan(config, weights, largest, 16 * GIB)
+    twenty = plan(config, weights, largest, 16 * GIB, sequences=20)
+    assert twenty.pool_tokens < one.pool_tokens
+    assert (
+        one.pool_tokens - twenty.pool_tokens <= 19 * config.recurrent_state_bytes() // twenty.kv_bytes_per_token + 256
+    )
+    capped = plan(config, weights, largest, 16 * GIB, kv_tokens=20_000)
+    assert capped.pool_tokens == 20_000 // 256 * 256 and capped.total < one.total
 
 
 @pytest.mark.parametrize("shape_name", ["0.8B", "9B", "27B"])
@@ -78,8 +104,8 @@ def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_
     from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
 
     config, weights, largest = config_of(shape_name)
-    reserved = PromptBuffers.reserved_bytes(config, sm_count, PROMPT_ROWS)
-    buffers = PromptBuffers.allocate(config, sm_count, PROMPT_ROWS)
+    reserved = PromptBuffers.reserved_bytes(config, sm_count, PROMPT_ROWS, pages_per_row=32)
+    buffers = PromptBuffers.allocate(config, sm_count, PROMPT_ROWS, pages_per_row=32)
 
     def nbytes(value) -> int:  # an array, or the chunked Gated DeltaNet's workspace of arrays
         return sum(nbytes(getattr(value, f.name)) for f in fields(value)) if is_dataclass(value) else value.nbytes
@@ -87,11 +113,10 @@ def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_
     allocated = sum(nbytes(getattr(buffers, f.name)) for f in fields(buffers) if f.name not in NOT_ALLOCATED)
     assert buffers.gdn_workspace is not None
     assert allocated == reserved < 0.06 * weights
-    plain = plan_memory(config, weights=weights, largest_tensor=largest, budget=2 * weights, context=8192)
-    with_prompts = plan_memory(config, weights=weights, largest_tensor=largest, budget=2 * weights, context=8192,
-                               prompt_scratch=reserved)  # fmt: skip
+    plain = plan(config, weights, largest, 2 * weights, context=8192)
+    with_prompts = plan(config, weights, largest, 2 * weights, context=8192, prompt_scratch=reserved)
     assert with_prompts.scratch == plain.scratch + reserved
 
 
-NOT_ALLOCATED = {"tokens", "positions", "page_table", "attention"}
-"""Views of `inputs`, and the attention split config."""
+NOT_ALLOCATED = {"tokens", "positions", "attention", "_known_pages"}
+"""Views of `inputs`, the attention split config and what the device's page table holds."""

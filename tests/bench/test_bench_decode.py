@@ -149,38 +149,19 @@ def test_profile_attribution_adds_up_to_the_replay() -> None:
     assert sum(attributed) == pytest.approx(timings.replay)
 
 
-def test_one_load_when_everything_fits_else_a_load_per_kind_of_run() -> None:
-    from cmpchat.bench.decode import BenchPhase, plan_phases
-
-    big_gpu = lambda sequences, context: True  # noqa: E731
-    phases, notes = plan_phases([0, 4096, 32768], [4, 16], 100, big_gpu)
-    assert phases == [BenchPhase(16, 32868, (0, 4096, 32768), (4, 16), 0)] and notes == []
-
-    # A 16 GB card: room for 40K tokens of KV cache in all beside the weights.
-    def small_gpu(sequences: int, context: int) -> bool:
-        return sequences * context <= 40_000
-
-    phases, notes = plan_phases([0, 4096, 32768], [4, 16], 100, small_gpu)
-    assert phases == [BenchPhase(1, 32868, (0, 4096, 32768), (), 0), BenchPhase(16, 100, (), (4, 16), 0)]
-    assert notes == []
-
-    def tiny_gpu(sequences: int, context: int) -> bool:
-        return sequences * context <= 5_000
-
-    phases, notes = plan_phases([0, 4096, 32768], [4, 16], 100, tiny_gpu)
-    assert phases == [BenchPhase(1, 4196, (0, 4096), (), 0), BenchPhase(16, 100, (), (4, 16), 0)]
-    assert notes == ["context 32768 does not fit on this GPU beside the weights; skipped"]
-
-
 def test_backend_memory_plan_is_what_loading_would_allocate(tiny_model_path: Path) -> None:
+    from cmpchat.backends.gpu.memory_plan import MIN_CONTEXT, RESERVE_BYTES
     from cmpchat.backends.gpu.model import CudaBackend
 
     model = ModelFile(tiny_model_path)
     config = ModelConfig.from_model_file(model)
     plan = CudaBackend.memory_plan(model, config, sequences=2, context=config.context_length)
-    assert plan.sequences == 2 and plan.context_per_sequence == config.context_length
+    assert plan.sequences == 2 and plan.context_limit == config.context_length <= plan.pool_tokens
     with pytest.raises(CmpchatError, match="needs .* GiB on the GPU"):
-        CudaBackend.memory_plan(model, config, sequences=2, context=config.context_length, gpu_mem=plan.total)
+        # Room for everything but a pool of the shortest context worth running.
+        fixed = plan.total - plan.kv_pool + RESERVE_BYTES
+        short = fixed + (MIN_CONTEXT - 1) * plan.kv_bytes_per_token
+        CudaBackend.memory_plan(model, config, sequences=2, context=config.context_length, gpu_mem=short)
 
 
 def test_a_failed_build_leaves_no_partial_file(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ class RecordingBackend:
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(vocab_size=100)
-        self.weights = SimpleNamespace(layers=[])
+        self.stages = [SimpleNamespace(weights=SimpleNamespace(layers={}))]
         self.stream = SimpleNamespace(synchronize=lambda: None)
         self.calls: list[tuple[int, int]] = []
         self.released: list[int] = []

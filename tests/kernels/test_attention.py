@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from cmpchat.backends.reference.attention import GatedAttention, KvCache
+from cmpchat.backends.reference.attention import GatedAttention, PagedKv
 from cmpchat.backends.reference.layers import apply_rope, rms_norm, rope_angles
 from cmpchat.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
 from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
@@ -77,7 +77,7 @@ class DecodeCase:
             for token in range(max(n, 0)):
                 page, slot = self.slot(row, token)
                 self.k_pool[page, slot], self.v_pool[page, slot] = keys[token], values[token]
-            self.caches.append(KvCache(keys, values))
+            self.caches.append((keys, values))
         if self.thw is None:
             self.thw = np.repeat(np.maximum(self.history, 0)[:, None], 3, axis=1)
         self.positions = np.concatenate([np.array(self.history)[:, None], self.thw], axis=1).astype(np.int32)
@@ -89,8 +89,8 @@ class DecodeCase:
     def slot(self, row: int, token: int) -> tuple[int, int]:
         return int(self.page_table[row, token // self.page_tokens]), token % self.page_tokens
 
-    def reference(self, row: int) -> tuple[np.ndarray, KvCache]:
-        """The reference layer's output (before attn_output) and its cache after the step."""
+    def reference(self, row: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """The reference layer's output (before attn_output) and its cached keys and values after the step."""
         cfg, hd, heads = self.config, self.config.head_dim, self.config.num_heads
         layer = object.__new__(GatedAttention)  # its projections replaced by this row's fused output
         layer.config, layer.q_norm, layer.k_norm = cfg, self.q_norm, self.k_norm
@@ -99,9 +99,12 @@ class DecodeCase:
         layer.k = lambda _: x[:, 2 * heads * hd : (2 * heads + cfg.num_kv_heads) * hd]
         layer.v = lambda _: x[:, (2 * heads + cfg.num_kv_heads) * hd :]
         layer.out = lambda attended: attended
-        cache = self.caches[row].copy()
-        out = layer(np.zeros((1, 1), np.float32), cache, self.thw[row : row + 1].astype(np.int64))
-        return out[0], cache
+        keys, values = self.caches[row]
+        past = keys.shape[0]
+        kv = PagedKv(cfg, past + 1, np.float16)  # the row's history in one page of the reference's own store
+        kv.write(0, [0], 0, keys, values)
+        out = layer(np.zeros((1, 1), np.float32), kv, 0, [0], past, self.thw[row : row + 1].astype(np.int64))
+        return out[0], kv.read(0, [0], past + 1)
 
 
 def run_step(case: DecodeCase, attention: DecodeAttentionConfig):
@@ -136,9 +139,11 @@ def check_step(case: DecodeCase, attention: DecodeAttentionConfig, rtol: float =
         np.testing.assert_allclose(out[row], expected, rtol=rtol, atol=rtol * scale, err_msg=f"row {row}")
         page, slot = case.slot(row, n)
         untouched[page, slot] = False
-        ulps = np.abs(k_cache[page, slot].view(np.int16).astype(np.int32) - cache.keys[-1].view(np.int16))
+        ulps = np.abs(
+            k_cache[page, slot].view(np.int16).astype(np.int32) - cache[0][-1].astype(np.float16).view(np.int16)
+        )
         assert ulps.max() <= 1, f"row {row}: cached K off by {ulps.max()} fp16 ulps"
-        np.testing.assert_array_equal(v_cache[page, slot], cache.values[-1])
+        np.testing.assert_array_equal(v_cache[page, slot], cache[1][-1].astype(np.float16))
     # History and free slots (NaN) unchanged: the step wrote only the new tokens' slots.
     np.testing.assert_array_equal(k_cache[untouched], case.k_pool[untouched])
     np.testing.assert_array_equal(v_cache[untouched], case.v_pool[untouched])
@@ -171,9 +176,9 @@ def test_very_negative_scores_keep_full_precision():
     rotated = apply_rope(rms_norm(query[None, ::2], case.q_norm, EPS), angles)[0]  # [Hkv, hd]
     direction = rotated / np.linalg.norm(rotated, axis=-1, keepdims=True)
     keys = -20 * direction + 0.1 * case.rng.standard_normal((37, 2, hd))
-    case.caches[0].keys = keys.astype(np.float16)
+    case.caches[0] = (keys.astype(np.float16), case.caches[0][1])
     for token in range(37):
-        case.k_pool[case.slot(0, token)] = case.caches[0].keys[token]
+        case.k_pool[case.slot(0, token)] = case.caches[0][0][token]
     check_step(case, SMALL_TILES)
 
 

@@ -41,7 +41,7 @@ def fixture(model: str) -> dict[str, np.ndarray]:
 
 def reference_logits(model: str, tensor_type: str, prompt: str) -> np.ndarray:
     engine = backend(model, tensor_type)
-    return engine.prefill(engine.new_sequence(), fixture(model)[f"ids_{prompt}"].tolist(), all_logits=True)
+    return engine.score(engine.new_sequence(), fixture(model)[f"ids_{prompt}"].tolist())
 
 
 def test_fixtures_cover_what_the_engine_must_handle():
@@ -83,8 +83,8 @@ def test_q8_0_top1_agrees_with_f32_transformers_where_the_margin_is_clear(model)
 def test_step_by_step_decode_equals_prefill(model):
     engine = backend(model, "f32")
     ids = fixture(model)["ids_long_b"].tolist()
-    whole = engine.prefill(engine.new_sequence(), ids, all_logits=True)
+    whole = engine.score(engine.new_sequence(), ids)
     sequence = engine.new_sequence()
-    head = engine.prefill(sequence, ids[:1], all_logits=True)
-    steps = np.concatenate([head, np.stack([engine.decode([sequence], [t])[0] for t in ids[1:]])])
+    head = engine.score(sequence, ids[:1])
+    steps = np.concatenate([head, np.stack([engine.to_host(engine.decode([sequence], [t]))[0] for t in ids[1:]])])
     assert np.abs(steps - whole).max() <= 1e-4 * np.abs(whole).max()

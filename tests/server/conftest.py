@@ -13,8 +13,8 @@ from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.server.settings import ServerSettings
 from cmpchat.tokenizer import Tokenizer
-from tests.server.live import LiveServer, live_server
 from tests.scripted_backend import ScriptedBackend
+from tests.server.live import LiveServer, live_server
 
 API_KEY = "test-key"
 
@@ -48,5 +48,5 @@ def client(scripted_server: LiveServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_path: Path) -> Iterator[LiveServer]:
     settings = ServerSettings(port=0, slots=4, prefill_chunk=32)
-    with live_server(settings, lambda: open_model(tiny_model_path)) as server:
+    with live_server(settings, lambda: open_model(tiny_model_path, sequences=4, cache_states=16)) as server:
         yield server

@@ -210,10 +210,10 @@ def test_a_follow_up_turn_reuses_the_conversation_prefix(client: openai.OpenAI, 
     second = client.chat.completions.create(model="m", messages=messages)
     assert second.choices[0].message.content == "Second."
     cached = second.usage.prompt_tokens_details.cached_tokens
-    generation_prompt = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    assert cached == first.usage.prompt_tokens - len(
-        scripted_server.model.tokenize(generation_prompt, parse_special=True)
-    )
+    # The next turn renders the first answer without the generation prompt's thinking markers: it resumes from
+    # the state saved where they begin.
+    markers = "<think>\n\n</think>\n\n"
+    assert cached == first.usage.prompt_tokens - len(scripted_server.model.tokenize(markers, parse_special=True))
     assert second.model_extra["timings"]["cache_n"] == cached
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from cmpchat.api import open_model
 from cmpchat.chat.messages import Message
-from cmpchat.engine.generator import GenerationOptions
+from cmpchat.engine.reply import GenerationOptions
 from tests.server.live import LiveServer, metric
 
 MAX_TOKENS = 24

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.live import LiveServer
 from tests.scripted_backend import EXPLODE
+from tests.server.live import LiveServer
 
 
 def post(server: LiveServer, path: str, **kwargs) -> httpx.Response:

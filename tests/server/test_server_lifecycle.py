@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cmpchat.errors import CmpchatError
 from cmpchat.server.settings import ServerSettings
+from tests.scripted_backend import FOREVER
 from tests.server.conftest import API_KEY, client_for, scripted_model
 from tests.server.live import live_server, metric
-from tests.scripted_backend import FOREVER
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:

@@ -58,7 +58,7 @@ class ScriptedModel:
     supports_images: bool = False
     calls: list[Call] = field(default_factory=list)
     config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(context_length=262_144))
-    backend: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(name="cpu"))
+    backend: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(name="cpu", context_limit=262_144))
 
     def render(self, messages: Sequence[Message], *, tools=None, enable_thinking: bool | None = None) -> RenderedPrompt:
         text = "".join(f"<|im_start|>{m.role}\n{m.text}<|im_end|>\n" for m in messages)

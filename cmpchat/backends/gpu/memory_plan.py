@@ -1,65 +1,85 @@
-"""How a model fits on a GPU: weights, KV cache, recurrent state, scratch and host RAM, in bytes.
+"""How a stage fits on its GPU: weights, sequence states, scratch and a KV pool of what is left, in bytes.
 
-Pure arithmetic, so it is tested on the CPU and printed before anything is allocated. A model that does
-not fit is refused with the numbers and what to do.
+Pure arithmetic, so it is tested on the CPU and printed before anything is allocated. The KV pool is shared by
+every sequence: it is sized from what remains after the weights, the recurrent states of every sequence the
+stage holds (running and saved), the step buffers and a reserve, and `--ctx` only caps one sequence. A model
+that does not fit is refused with the numbers and what to do.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cmpchat.errors import CmpchatError
 from cmpchat.model.config import ModelConfig
-from cmpchat.model.gguf_file import ModelFile
 
 MAX_SEQUENCES = 64
 """Sequence states one GPU holds at most: the ones being decoded (16 per step at most) and saved prefixes."""
 MIN_CONTEXT = 4096
-"""The smallest context per sequence worth running; below it the model is refused."""
+"""The smallest KV pool worth running; below it the model is refused."""
 HOST_CHUNK_BYTES = 64 * 2**20
 """Weights travel to the GPU in pieces of at most this size, so host RAM stays small while loading."""
 RESERVE_BYTES = 512 * 2**20
 """Left free for the CUDA context, kernels' code and allocator slack."""
+PAGE_TOKENS = 256
+"""Tokens per KV page: whole tiles of both attention kernels, and a page table of 1024 entries per row at 256K."""
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryPlan:
+class StagePlan:
+    """What one stage allocates on its GPU (the whole model is one stage on one GPU today)."""
+
+    layers: range
     weights: int
-    kv_cache: int
     recurrent_state: int
-    scratch: int
-    host_ram: int
     sequences: int
-    context_per_sequence: int
+    """Sequence states held: running and saved ones."""
+    scratch: int
+    kv_layout: str
+    kv_bytes_per_token: int
+    pool_tokens: int
+    page_tokens: int
+    context_limit: int
+    """Tokens one sequence may hold: --ctx, the model's own limit and the pool, whichever is least."""
+    asked_context: int | None
+    host_ram: int
     budget: int
 
     @property
+    def kv_pool(self) -> int:
+        return self.kv_bytes_per_token * self.pool_tokens
+
+    @property
+    def pool_pages(self) -> int:
+        return self.pool_tokens // self.page_tokens
+
+    @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.recurrent_state + self.scratch
+        return self.weights + self.kv_pool + self.recurrent_state + self.scratch
 
     def describe(self) -> list[str]:
-        def gib(n: int) -> str:
-            return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-        return [
-            f"weights          {gib(self.weights)}",
-            f"KV cache (fp16)  {gib(self.kv_cache)}  ({self.sequences} x {self.context_per_sequence} tokens)",
-            f"recurrent state  {gib(self.recurrent_state)}  ({self.sequences} sequences)",
-            f"scratch          {gib(self.scratch)}",
-            f"total on GPU     {gib(self.total)} of {gib(self.budget)} usable",
-            f"host RAM         {gib(self.host_ram)} while loading",
+        lines = [
+            f"layers           {self.layers.start}-{self.layers.stop - 1}",
+            f"weights          {_size(self.weights)}",
+            f"KV cache pool    {_size(self.kv_pool)}  ({self.pool_tokens} tokens {self.kv_layout}, "
+            f"{self.pool_pages} pages of {self.page_tokens}, shared by all sequences)",
+            f"recurrent state  {_size(self.recurrent_state)}  ({self.sequences} sequences, running and saved)",
+            f"scratch          {_size(self.scratch)}",
+            f"total on GPU     {_size(self.total)} of {_size(self.budget)} usable",
+            f"context          {self.context_limit} tokens per sequence at most",
+            f"host RAM         {_size(self.host_ram)} while loading",
         ]
+        if self.asked_context is not None and self.asked_context > self.pool_tokens:
+            lines.append(
+                f"warning: --ctx {self.asked_context} exceeds the {self.pool_tokens}-token KV pool; one sequence "
+                f"holds at most {self.context_limit} tokens (free GPU memory or use a smaller model)"
+            )
+        return lines
 
 
-def weight_bytes(model_file: ModelFile, config: ModelConfig) -> int:
-    """GPU bytes of the main layers' weights as stored (Q8_0 keeps its 34 bytes per 32 values)."""
-    layer_prefixes = tuple(f"blk.{i}." for i in range(config.num_layers))
-    total = 0
-    for name, info in model_file.tensors.items():
-        if name.startswith("blk.") and not name.startswith(layer_prefixes):
-            continue  # MTP blocks are not used for decoding
-        total += info.n_bytes
-    return total
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def scratch_bytes(config: ModelConfig, batch: int = 16) -> int:
@@ -73,41 +93,56 @@ def scratch_bytes(config: ModelConfig, batch: int = 16) -> int:
     return batch * per_token
 
 
-def plan_memory(
+def plan_stage(
     config: ModelConfig,
     *,
     weights: int,
     largest_tensor: int,
     budget: int,
+    kv_bytes_per_token: int,
+    recurrent_bytes_per_sequence: int,
+    layers: Sequence[int] | range | None = None,
+    kv_layout: str = "f16",
     sequences: int = 1,
     context: int | None = None,
+    kv_tokens: int | None = None,
+    page_tokens: int = PAGE_TOKENS,
     prompt_scratch: int = 0,
-) -> MemoryPlan:
-    """Fit `weights` bytes, state for `sequences` and the longest context that fits (at most `context`),
-    with `prompt_scratch` bytes for the long-prompt step's buffers (`PromptBuffers.reserved_bytes`)."""
+) -> StagePlan:
+    """Fit `weights` bytes and `sequences` recurrent states, then a KV pool of what is left (at most
+    `kv_tokens`), with `prompt_scratch` bytes for the long-prompt step's buffers and the page tables
+    (`PromptBuffers.reserved_bytes`, `StepBuffers.page_table_bytes`)."""
     if not 1 <= sequences <= MAX_SEQUENCES:
         raise CmpchatError(f"a GPU holds 1 to {MAX_SEQUENCES} sequence states, not {sequences}")
-    recurrent = sequences * config.recurrent_state_bytes()
+    layer_range = range(config.num_layers) if layers is None else range(min(layers), max(layers) + 1)
+    recurrent = sequences * recurrent_bytes_per_sequence
+    model_context = min(context or config.context_length, config.context_length)
     scratch = scratch_bytes(config) + prompt_scratch
     fixed = weights + recurrent + scratch + RESERVE_BYTES
-    per_token = sequences * config.kv_bytes_per_token()
-    wanted = min(context or config.context_length, config.context_length)
-    fits = (budget - fixed) // per_token if budget > fixed else 0
-    if fits < min(MIN_CONTEXT, wanted):
-        need = fixed + per_token * min(MIN_CONTEXT, wanted)
+    fits = (budget - fixed) // kv_bytes_per_token if budget > fixed else 0
+    pool = fits if kv_tokens is None else min(fits, kv_tokens)
+    pool = pool // page_tokens * page_tokens
+    least = min(MIN_CONTEXT, model_context)
+    if pool < least:
+        need = fixed + kv_bytes_per_token * least
         raise CmpchatError(
             f"{config.name} needs {need / 2**30:.1f} GiB on the GPU (weights {weights / 2**30:.1f} GiB, "
-            f"{sequences} sequence(s) of {min(MIN_CONTEXT, wanted)} tokens) but {budget / 2**30:.1f} GiB is usable; "
-            "use a smaller model or fewer sequences"
+            f"{sequences} sequence state(s) of {recurrent_bytes_per_sequence / 2**20:.0f} MiB, a KV pool of "
+            f"{least} tokens) but {budget / 2**30:.1f} GiB is usable; use a smaller model, fewer sequences "
+            "(--slots, --cache-states) or a larger card"
         )
-    context_per_sequence = int(min(wanted, fits))
-    return MemoryPlan(
+    return StagePlan(
+        layers=layer_range,
         weights=weights,
-        kv_cache=per_token * context_per_sequence,
         recurrent_state=recurrent,
-        scratch=scratch,
-        host_ram=2 * min(largest_tensor, HOST_CHUNK_BYTES),
         sequences=sequences,
-        context_per_sequence=context_per_sequence,
+        scratch=scratch,
+        kv_layout=kv_layout,
+        kv_bytes_per_token=kv_bytes_per_token,
+        pool_tokens=int(pool),
+        page_tokens=page_tokens,
+        context_limit=int(min(model_context, pool)),
+        asked_context=context,
+        host_ram=2 * min(largest_tensor, HOST_CHUNK_BYTES),
         budget=budget,
     )

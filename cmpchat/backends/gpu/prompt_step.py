@@ -21,14 +21,18 @@ builds and captures them once per slot; the rows' tokens and positions are uploa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from numba import cuda
 
-from cmpchat.backends.gpu.step import MatmulInputs, SequenceStates, columns, zeros
-from cmpchat.backends.gpu.weights import AttentionWeights, ModelWeights, RecurrentWeights
+from cmpchat.backends.gpu.buffers import columns, zeros
+from cmpchat.backends.gpu.kv_layout import KvPages
+from cmpchat.backends.gpu.states import RecurrentStates
+from cmpchat.backends.gpu.step import MatmulInputs
+from cmpchat.backends.gpu.weights import AttentionWeights, RecurrentWeights, StageWeights
 from cmpchat.cudart.launch import Launch
 from cmpchat.kernels.attention_prefill import (
     ENGINE_TILING,
@@ -56,10 +60,10 @@ KEY_TILE = PrefillAttentionConfig(num_splits=1, **ENGINE_TILING).tile_keys
 """Keys per tile of the step's attention: cache pages must hold whole tiles."""
 
 
-def prompt_step_supported(config: ModelConfig, weights: ModelWeights) -> str | None:
-    """Why this model cannot take the long-prompt step (then prompts run 16 tokens at a time), or None."""
-    matrices = [weights.lm_head]
-    for layer in weights.layers:
+def prompt_step_supported(config: ModelConfig, weights: StageWeights) -> str | None:
+    """Why this stage cannot take the long-prompt step (then prompts run 16 tokens at a time), or None."""
+    matrices = [] if weights.lm_head is None else [weights.lm_head]
+    for layer in weights.layers.values():
         mixer = layer.mixer
         inner = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.projection
         matrices += [inner, mixer.output, layer.gate_up, layer.down]
@@ -77,10 +81,10 @@ def prompt_step_supported(config: ModelConfig, weights: ModelWeights) -> str | N
 class PromptBuffers:
     """Device buffers of one long-prompt step (PROMPT_ROWS rows)."""
 
-    inputs: Any  # int32 [rows * 6]: tokens [rows] | positions [rows, 4] | page_table [rows, 1]
+    inputs: Any  # int32 [rows * 5]: tokens [rows] | positions [rows, 4]
     tokens: Any  # } views of `inputs`
     positions: Any  # (cache index, t, h, w) per row
-    page_table: Any
+    page_table: Any  # int32 [rows, pages per row]: every row holds the sequence's pages
     hidden: Any  # fp32 [rows, d]
     normalized: Any  # fp32 [rows, d]
     x_quants: Any  # uint32 [rows, d/4]
@@ -98,6 +102,8 @@ class PromptBuffers:
     inv_freq: Any
     freq_axis: Any
     gdn_workspace: ChunkWorkspace | None  # the chunked Gated DeltaNet's, shared by the layers (None: no GDN)
+    _known_pages: list[int] = field(default_factory=list)
+    """The pages the device's page table holds."""
 
     @staticmethod
     def attention_config(config: ModelConfig, rows: int, sm_count: int) -> PrefillAttentionConfig:
@@ -106,7 +112,9 @@ class PromptBuffers:
                                                  **ENGINE_TILING)  # fmt: skip
 
     @classmethod
-    def layout(cls, config: ModelConfig, sm_count: int, rows: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    def layout(
+        cls, config: ModelConfig, sm_count: int, rows: int, pages_per_row: int = 1
+    ) -> dict[str, tuple[tuple[int, ...], Any]]:
         """Shape and dtype of every buffer the step allocates (the rows' inputs as one int32 array)."""
         d = config.hidden_size
         widest = max(
@@ -118,7 +126,8 @@ class PromptBuffers:
         acc_shape, ml_shape = partial_buffer_shapes(rows, config.num_heads, config.head_dim, attention)
         f32, u32 = np.float32, np.uint32
         return {
-            "inputs": ((6 * rows,), np.int32),
+            "inputs": ((5 * rows,), np.int32),
+            "page_table": ((rows, pages_per_row), np.int32),
             "hidden": ((rows, d), f32),
             "normalized": ((rows, d), f32),
             "x_quants": ((rows, d // 4), u32),
@@ -135,27 +144,28 @@ class PromptBuffers:
         }
 
     @classmethod
-    def reserved_bytes(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> int:
+    def reserved_bytes(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS, pages_per_row: int = 1) -> int:
         """What `allocate` takes on the GPU, for the memory plan."""
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
-        arrays = sum(
-            math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in cls.layout(config, sm_count, rows).values()
-        )
+        layout = cls.layout(config, sm_count, rows, pages_per_row)
+        arrays = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
         workspace = (
             ChunkWorkspace.nbytes(GatedDeltaNetShape.from_config(config), rows) if config.recurrent_layers else 0
         )
         return arrays + rope.inv_freq.nbytes + rope.freq_axis.nbytes + workspace
 
     @classmethod
-    def allocate(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS) -> PromptBuffers:
-        arrays = {name: zeros(shape, dtype) for name, (shape, dtype) in cls.layout(config, sm_count, rows).items()}
+    def allocate(
+        cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS, pages_per_row: int = 1
+    ) -> PromptBuffers:
+        layout = cls.layout(config, sm_count, rows, pages_per_row)
+        arrays = {name: zeros(shape, dtype) for name, (shape, dtype) in layout.items()}
         inputs = arrays["inputs"]
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
         return cls(
             **arrays,
             tokens=inputs[:rows],
-            positions=inputs[rows : 5 * rows].reshape(rows, 4),
-            page_table=inputs[5 * rows :].reshape(rows, 1),
+            positions=inputs[rows:].reshape(rows, 4),
             attention=cls.attention_config(config, rows, sm_count),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
@@ -170,25 +180,41 @@ class PromptBuffers:
     def rows(self) -> int:
         return self.tokens.shape[0]
 
-    def upload(self, tokens: np.ndarray, positions: np.ndarray, slot: int, stream: Any) -> None:
-        """The rows' token ids and (cache index, t, h, w) positions, all in `slot`'s cache page."""
+    def upload(self, tokens: np.ndarray, positions: np.ndarray, pages: Sequence[int], stream: Any) -> None:
+        """The rows' token ids and (cache index, t, h, w) positions, and the pages of their sequence. Every row
+        needs the page table (each writes its own token's K/V): row 0 goes up when it changed and is copied to
+        the others on the device, doubling the rows copied each time (8 copies for 256 rows)."""
         rows = self.rows
-        host = np.empty(6 * rows, np.int32)
+        host = np.empty(5 * rows, np.int32)
         host[:rows] = tokens
-        host[rows : 5 * rows] = positions.reshape(-1)
-        host[5 * rows :] = slot
+        host[rows:] = positions.reshape(-1)
         self.inputs.copy_to_device(host, stream=stream)  # pageable: staged before the call returns
+        known = self._known_pages
+        if list(pages) == known:
+            return
+        if len(pages) > self.page_table.shape[1]:
+            raise ValueError(f"{len(pages)} pages exceed the {self.page_table.shape[1]} the page table holds")
+        row = np.zeros(self.page_table.shape[1], np.int32)
+        row[: len(pages)] = pages
+        self.page_table[0].copy_to_device(row, stream=stream)
+        filled = 1
+        while filled < rows:
+            count = min(filled, rows - filled)
+            self.page_table[filled : filled + count].copy_to_device(self.page_table[:count], stream=stream)
+            filled += count
+        self._known_pages = list(pages)
 
 
 def prompt_launches(
     config: ModelConfig,
-    weights: ModelWeights,
-    states: SequenceStates,
+    weights: StageWeights,
+    kv: KvPages,
+    states: RecurrentStates,
     buffers: PromptBuffers,
     slot: int,
     sm_count: int,
 ) -> list[Launch]:
-    """Every launch of one long-prompt step for sequence slot `slot`, in order."""
+    """Every launch of one long-prompt step of a stage's layers for sequence state slot `slot`, in order."""
     b = buffers
     rows = b.rows
     hidden = b.hidden
@@ -197,13 +223,15 @@ def prompt_launches(
 
     inputs = MatmulInputs(b, rows, eps, sm_count)
 
-    launches = [embed_q8_0(b.tokens, weights.embedding.quants, weights.embedding.scales, hidden)]
-    for index, layer in enumerate(weights.layers):
+    launches = []
+    if weights.embedding is not None:
+        launches.append(embed_q8_0(b.tokens, weights.embedding.quants, weights.embedding.scales, hidden))
+    for index, layer in weights.layers.items():
         mixer = layer.mixer
         if isinstance(mixer, AttentionWeights):
             projection = columns(b.projection, rows, mixer.qkv.rows)
             launches += inputs.normed(mixer.qkv, hidden, layer.mixer_norm, projection)
-            k_cache, v_cache = states.k_cache[index], states.v_cache[index]
+            k_cache, v_cache = kv.caches(index)
             launches.append(
                 qk_norm_rope_launch(projection, b.positions, b.page_table, mixer.q_norm, mixer.k_norm, b.inv_freq,
                                     b.freq_axis, eps, b.q, k_cache, v_cache)
@@ -217,13 +245,14 @@ def prompt_launches(
             launches += inputs.normed(mixer.projection, hidden, layer.mixer_norm, projection)
             attended = columns(b.mixed, rows, gdn_shape.output_width)
             gdn_weights = GatedDeltaNetWeights(mixer.conv_weight, mixer.ssm_a, mixer.dt_bias, mixer.norm_weight)
-            launches += prefill_launches(gdn_shape, gdn_weights, projection, states.conv_state[index],
-                                         states.delta_state[index], slot, attended, mixed=b.conv_out,
+            launches += prefill_launches(gdn_shape, gdn_weights, projection, states.conv[index],
+                                         states.delta[index], slot, attended, mixed=b.conv_out,
                                          workspace=b.gdn_workspace)  # fmt: skip
         launches += inputs.project_into(mixer.output, attended, hidden)
         activated = columns(b.mixed, rows, config.ffn_size)
         launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")
         launches += inputs.project_into(layer.down, activated, hidden)
-    last = MatmulInputs(b, 1, eps, sm_count)  # the last row alone: the fused one-token GEMV
-    launches += last.normed(weights.lm_head, hidden[rows - 1 :], weights.output_norm, b.logits)
+    if weights.lm_head is not None:
+        last = MatmulInputs(b, 1, eps, sm_count)  # the last row alone: the fused one-token GEMV
+        launches += last.normed(weights.lm_head, hidden[rows - 1 :], weights.output_norm, b.logits)
     return launches

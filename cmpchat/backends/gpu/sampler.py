@@ -12,8 +12,8 @@ parameters when they changed, the Philox keys for sampled selection, the window 
 penalties (the kernels only append to it otherwise). The ids come back through a pinned array: per step at
 most one copy up, the graph, one copy down and an event, each a driver call that lets go of the GIL (which
 a busy UI thread may then hold for a switch interval). The ids are written into the decode step's token
-input too (`token_rows`), so the next step can consume them before they reach the host (`GpuChoice`,
-`CudaBackend.decode_chosen`).
+input too (`token_rows`), so the next step can consume them before they reach the host (`GpuChoice`, a
+decode step fed `Chosen` inputs).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from cmpchat.backends.base import Choice
-from cmpchat.backends.gpu.step import ordering_event
+from cmpchat.backends.base import Selection
+from cmpchat.backends.gpu.buffers import ordering_event
 from cmpchat.cudart.driver_api import check, stream_handle
 from cmpchat.cudart.graph import StepLaunches
 from cmpchat.cudart.intrinsics import SIMULATOR
@@ -83,58 +83,74 @@ class _PackedInputs:
         check("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync(device, host, nbytes, stream_handle(stream)))
 
 
+RING = 8
+"""Selections of one batch size whose ids may be unread at once (the engine reads each one step later; decode
+groups and prompts that finish add a few)."""
+
+
+@dataclass
+class _Fetch:
+    """Where one selection's ids come back: a pinned host array and the event recorded after its copy."""
+
+    chosen: np.ndarray  # int32 [B] pinned
+    arrived: Any
+    owner: GpuChoice | None = None
+
+
 @dataclass
 class _Selection:
     inputs: _PackedInputs
+    uploaded: Any  # a CUDA event recorded after the last upload of `inputs`
     tokens: Any  # int32 [B] on the device, written by the kernels: the first B rows of the step's token input
-    chosen: np.ndarray  # int32 [B] pinned: the tokens' host copy
-    arrived: Any  # a CUDA event recorded after the copy into `chosen`
+    fetches: list[_Fetch]
     greedy: StepLaunches
     sampled: StepLaunches
     packed_params: tuple[SamplingParams, ...] | None = None
     """The settings last packed into the staged parameters (settings rarely change between steps)."""
-    latest: GpuChoice | None = None
-    """The choice whose ids `chosen` holds (or will, once `arrived`)."""
+    turn: int = 0
 
     @property
     def width(self) -> int:
         return int(self.inputs.views["window"].shape[1])
 
-    def queue_fetch(self, stream: Any) -> None:
-        """Queue the copy of the chosen ids to `chosen`, and the event that says it has run."""
+    def queue_fetch(self, stream: Any) -> _Fetch:
+        """Queue the copy of the chosen ids into the next host array of the ring, and its event. A choice still
+        unread there gets its ids first (waiting for them), so none is lost."""
+        fetch = self.fetches[self.turn]
+        self.turn = (self.turn + 1) % len(self.fetches)
+        if fetch.owner is not None:
+            fetch.owner.tokens()
         if SIMULATOR:
-            self.tokens.copy_to_host(self.chosen, stream=stream)
+            self.tokens.copy_to_host(fetch.chosen, stream=stream)
         else:
-            host, device = self.chosen.ctypes.data, self.tokens.device_ctypes_pointer.value
-            result = driver.cuMemcpyDtoHAsync(host, device, self.chosen.nbytes, stream_handle(stream))
+            host, device = fetch.chosen.ctypes.data, self.tokens.device_ctypes_pointer.value
+            result = driver.cuMemcpyDtoHAsync(host, device, fetch.chosen.nbytes, stream_handle(stream))
             check("cuMemcpyDtoHAsync", result)
-        self.arrived.record(stream)
+        fetch.arrived.record(stream)
+        return fetch
 
 
-class GpuChoice(Choice):
+class GpuChoice(Selection):
     """Ids being chosen on the GPU: they lie in the step's token input until the next step's upload, and reach
-    the host when `ids()` has waited for them. Read them before the next selection of as many rows."""
+    the host when `tokens()` has waited for them."""
 
-    def __init__(self, selection: _Selection) -> None:
-        self._selection = selection
+    def __init__(self, fetch: _Fetch) -> None:
+        self._fetch = fetch
         self._ids: list[int] | None = None
-
-    @property
-    def rows(self) -> int:
-        return len(self._selection.chosen)
+        self.rows = len(fetch.chosen)
+        fetch.owner = self
 
     @property
     def read(self) -> bool:
-        """Whether `ids()` has waited for the ids (so the selection's copies have run)."""
+        """Whether `tokens()` has waited for the ids (so the selection's copies have run)."""
         return self._ids is not None
 
-    def ids(self) -> list[int]:
+    def tokens(self) -> list[int]:
         if self._ids is None:
-            selection = self._selection
-            if selection.latest is not self:
-                raise RuntimeError("a later selection of as many rows overwrote these ids before they were read")
-            selection.arrived.synchronize()
-            self._ids = selection.chosen.tolist()
+            fetch = self._fetch
+            fetch.arrived.synchronize()
+            self._ids = fetch.chosen.tolist()
+            fetch.owner = None
         return self._ids
 
 
@@ -171,10 +187,7 @@ class GpuSampler:
         greedy = all(p.is_greedy for p in params)
         inputs = selection.inputs
         staged = inputs.staged
-        # The mirror is free to refill: the previous selection's ids were read (`GpuChoice.ids` waited for the
-        # event after its copy down, which follows its upload), or a wait below makes sure.
-        if selection.latest is not None and not selection.latest.read:
-            selection.arrived.synchronize()
+        selection.uploaded.synchronize()  # the mirror's last copy has run (at once, in the engine's order)
         last = None
         settings = tuple(params)
         if settings != selection.packed_params:
@@ -192,10 +205,9 @@ class GpuSampler:
         stream = self.stream
         if last is not None:  # the device keeps the parameters of the last upload
             inputs.upload(inputs.end[last], stream)
+            selection.uploaded.record(stream)
         (selection.greedy if greedy else selection.sampled).run(stream)
-        selection.queue_fetch(stream)
-        selection.latest = GpuChoice(selection)
-        return selection.latest
+        return GpuChoice(selection.queue_fetch(stream))
 
     def _selection(self, logits: Any, batch: int, width: int) -> _Selection:
         selection = self._by_batch.get(batch)
@@ -218,9 +230,9 @@ class GpuSampler:
         sampled = sampling_launches(logits, params, rng, window, window_count, tokens, workspace)
         selection = _Selection(
             inputs,
-            tokens,
-            cuda.pinned_array(batch, np.int32),
             ordering_event(),
+            tokens,
+            [_Fetch(cuda.pinned_array(batch, np.int32), ordering_event()) for _ in range(RING)],
             StepLaunches(greedy, self.stream, self.use_graphs),
             StepLaunches(sampled, self.stream, self.use_graphs),
         )

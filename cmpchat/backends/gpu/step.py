@@ -1,4 +1,4 @@
-"""One decode step of the whole model as a list of kernel launches, for a batch of up to 16 sequences.
+"""One decode step of a stage's layers as a list of kernel launches, for a batch of up to 16 sequences.
 
 The launches read everything that changes per token (token ids, positions, cache indices, state slots)
 from device buffers, so the list is built once per batch-size bucket and captured as a CUDA graph.
@@ -15,14 +15,18 @@ Layer by layer (matching the reference backend in GPU-mirroring mode):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType
 from numba import cuda
 
-from cmpchat.backends.gpu.weights import AttentionWeights, DeviceMatrix, ModelWeights, RecurrentWeights
+from cmpchat.backends.gpu.buffers import columns, ordering_event, zeros
+from cmpchat.backends.gpu.kv_layout import KvPages
+from cmpchat.backends.gpu.states import RecurrentStates
+from cmpchat.backends.gpu.weights import AttentionWeights, DeviceMatrix, RecurrentWeights, StageWeights
 from cmpchat.cudart.driver_api import check, stream_handle
 from cmpchat.cudart.intrinsics import SIMULATOR
 from cmpchat.cudart.launch import Launch
@@ -44,74 +48,110 @@ if not SIMULATOR:
 MAX_ROWS = 16
 
 
-@dataclass
-class SequenceStates:
-    """Per-slot state of every sequence the backend can hold: KV caches and GDN states."""
+class StepInputs:
+    """The integer inputs of a step of `rows` rows as views of one int32 device array, at 64-byte offsets:
 
-    k_cache: dict[int, Any]  # attention layer -> fp16 [slots, page_tokens, Hkv, hd]
-    v_cache: dict[int, Any]
-    conv_state: dict[int, Any]  # GDN layer -> fp32 [slots, K-1, conv_dim]
-    delta_state: dict[int, Any]  # GDN layer -> fp32 [slots, Hv, dk, dv]
-    slots: int
-    page_tokens: int
+        tokens [rows] | positions [rows, 4]: (cache index, t, h, w) | gdn_slots [rows] | page_table [rows, P]
 
-    @classmethod
-    def allocate(cls, config: ModelConfig, slots: int, page_tokens: int) -> SequenceStates:
-        kv_shape = (slots, page_tokens, config.num_kv_heads, config.head_dim)
-        conv_shape = (slots, config.conv_kernel - 1, config.conv_dim)
-        delta_shape = (slots, config.num_v_heads, config.k_head_dim, config.v_head_dim)
-        return cls(
-            k_cache={i: cuda.device_array(kv_shape, np.float16) for i in config.attention_layers},
-            v_cache={i: cuda.device_array(kv_shape, np.float16) for i in config.attention_layers},
-            conv_state={i: zeros(conv_shape) for i in config.recurrent_layers},
-            delta_state={i: zeros(delta_shape) for i in config.recurrent_layers},
-            slots=slots,
-            page_tokens=page_tokens,
+    A negative cache index or state slot marks an idle row. Two pinned host mirrors are used in turn, each
+    guarded by an event recorded after its copy, so a step queued without waiting (prefill) keeps one step ahead
+    of the GPU. Each upload sends the first three and only the page-table rows that changed since the device
+    last got them: at 256K tokens a row is 1024 entries, which a Gen1 x1 link would take 16 µs to move.
+    """
+
+    def __init__(self, rows: int, pages_per_row: int) -> None:
+        self.rows = rows
+        self.pages_per_row = pages_per_row
+        sizes = (rows, 4 * rows, rows, rows * pages_per_row)
+        self._offsets = [0]
+        for size in sizes:
+            self._offsets.append(self._offsets[-1] + -(-size // 16) * 16)
+        self.device = cuda.device_array(self._offsets[-1], np.int32)
+        self.staging = cuda.pinned_array((2, self._offsets[-1]), np.int32)
+        self.tokens, self.positions, self.gdn_slots, self.page_table = self.views(self.device)
+        self._mirrors = [self.views(mirror) for mirror in self.staging]
+        self._uploaded = [ordering_event() for _ in self.staging]
+        self._known = np.full((rows, pages_per_row), -1, np.int64)
+        """The page-table rows the device holds (-1: unknown)."""
+        self._pointers = (0,) * 3 if SIMULATOR else (self.device.device_ctypes_pointer.value,
+                                                     *(m.ctypes.data for m in self.staging))  # fmt: skip
+        self._turn = 0
+        self.staging[:] = 0
+        for views in self._mirrors:
+            self._idle(views)
+        self.device.copy_to_device(self.staging[0])
+
+    def views(self, flat: Any) -> tuple[Any, Any, Any, Any]:
+        o, rows = self._offsets, self.rows
+        return (
+            flat[o[0] : o[0] + rows],
+            flat[o[1] : o[1] + 4 * rows].reshape(rows, 4),
+            flat[o[2] : o[2] + rows],
+            flat[o[3] : o[3] + rows * self.pages_per_row].reshape(rows, self.pages_per_row),
         )
 
-    def clear_slot(self, slot: int) -> None:
-        """Zero a slot's recurrent state (a KV cache needs no clearing: lengths say what is valid)."""
-        for states in (self.conv_state, self.delta_state):
-            for array in states.values():
-                fill_zero(array[slot])
+    @staticmethod
+    def _idle(views: tuple[Any, ...]) -> None:
+        tokens, positions, gdn_slots, _ = views
+        tokens[:] = -1
+        positions[:] = -1
+        gdn_slots[:] = -1
 
-    def copy_slot(self, source: int, target: int, length: int) -> None:
-        """Make `target` a copy of `source` whose first `length` cached tokens are valid (device to device)."""
-        for caches in (self.k_cache, self.v_cache):
-            for array in caches.values():
-                if length:
-                    array[target, :length].copy_to_device(array[source, :length])
-        for states in (self.conv_state, self.delta_state):
-            for array in states.values():
-                array[target].copy_to_device(array[source])
+    def stage(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pinned host (tokens, positions, gdn_slots) for the next step, every row idle. Fill the active rows,
+        then `upload`. Blocks only while a copy queued two uploads ago is pending."""
+        turn = self._turn
+        self._uploaded[turn].synchronize()
+        views = self._mirrors[turn]
+        self._idle(views)
+        return views[0], views[1], views[2]
 
+    def upload(self, stream: Any, pages: Sequence[Sequence[int]], *, tokens_on_device: bool = False) -> None:
+        """Queue the copy of the staged inputs and of the page-table rows that differ from `pages` (row r of
+        the step holds the pages of `pages[r]`); with `tokens_on_device` the tokens are left as they are on
+        the device (written there by the GPU's token selection)."""
+        turn = self._turn
+        table = self._mirrors[turn][3]
+        changed = []
+        for row, row_pages in enumerate(pages):
+            count = len(row_pages)
+            if count > self.pages_per_row:
+                raise ValueError(f"{count} pages exceed the {self.pages_per_row} a step's page table holds")
+            if not np.array_equal(self._known[row, :count], row_pages):
+                table[row, :count] = row_pages
+                self._known[row, :count] = row_pages
+                changed.append(row)
+        skip = self._offsets[1] if tokens_on_device else 0
+        self._copy(turn, skip, self._offsets[3], stream)
+        if changed:
+            first, last = min(changed), max(changed) + 1
+            start = self._offsets[3] + first * self.pages_per_row
+            self._copy(turn, start, self._offsets[3] + last * self.pages_per_row, stream)
+        self._uploaded[turn].record(stream)
+        self._turn = (turn + 1) % len(self._uploaded)
 
-def ordering_event() -> Any:
-    """A CUDA event for waiting on (no timing, so recording it costs the least; the simulator's takes no
-    options)."""
-    return cuda.event() if SIMULATOR else cuda.event(timing=False)
+    def forget_table(self) -> None:
+        """The device's page table was written by someone else (a row broadcast): upload it whole next time."""
+        self._known[:] = -1
+
+    def _copy(self, turn: int, start: int, stop: int, stream: Any) -> None:
+        host = self.staging[turn]
+        if SIMULATOR:
+            self.device[start:stop].copy_to_device(host[start:stop], stream=stream)
+            return
+        device, *mirrors = self._pointers
+        offset = start * host.itemsize
+        result = driver.cuMemcpyHtoDAsync(
+            device + offset, mirrors[turn] + offset, (stop - start) * host.itemsize, stream_handle(stream)
+        )
+        check("cuMemcpyHtoDAsync", result)
 
 
 @dataclass
 class StepBuffers:
-    """Device buffers of one decode step, sized for 16 rows; a step for B rows uses the first B.
+    """Device buffers of one decode step, sized for 16 rows; a step for B rows uses the first B."""
 
-    The step's integer inputs (tokens, positions, page_table, gdn_slots) are views of one int32 device
-    array, `inputs`, at 64-byte offsets, so one asynchronous copy from pinned memory uploads them all:
-
-        tokens, positions, pages, slots = buffers.stage()   # pinned host views, every row idle
-        tokens[:rows] = ...                                  # fill the active rows
-        buffers.upload(stream)                               # queued ahead of the step's launches
-
-    Two pinned mirrors are used in turn, each guarded by an event recorded after its copy: `stage` waits
-    until the copy that last read its mirror has run, which costs nothing once the step was synchronised
-    (sampling does) and lets steps queued without waiting (prefill) keep one step ahead of the GPU.
-    """
-
-    tokens: Any  # int32 [16]                   } views of `inputs`
-    positions: Any  # int32 [16, 4]: (cache index, t, h, w); negative cache index = idle row
-    page_table: Any  # int32 [16, 1]: the KV slot of each row
-    gdn_slots: Any  # int32 [16]: the recurrent-state slot of each row, -1 for idle rows
+    inputs: StepInputs
     hidden: Any  # fp32 [16, d]
     normalized: Any  # fp32 [16, d]
     x_quants: Any  # uint32 [16, d/4]
@@ -124,74 +164,37 @@ class StepBuffers:
     logits: Any  # fp32 [16, V]
     inv_freq: Any  # float64 [rope_dims/2]
     freq_axis: Any  # int32 [rope_dims/2]
-    inputs: Any  # int32 [112] device: tokens | positions | page_table | gdn_slots
-    staging: Any  # int32 [2, 112] pinned host mirrors of `inputs`, used in turn
-    uploaded: list[Any]  # per mirror: a CUDA event recorded after the copy that last read it
-    idle: np.ndarray = field(repr=False)  # int32 [112]: every row idle (token -1, position -1, page 0, slot -1)
-    _views: list[tuple[np.ndarray, ...]] = field(repr=False)  # per mirror: its (tokens, ..., gdn_slots) views
-    _pointers: tuple[int, ...] = field(repr=False)  # addresses of `inputs` and of each mirror (0 simulated)
-    _turn: int = 0
 
-    # (name, shape, value of an idle row) of each input, in the order they lie in `inputs`; every size is a
-    # multiple of 16 int32s, so each view starts 64-byte aligned (the kernels only need 4).
-    INPUTS = (("tokens", (MAX_ROWS,), -1), ("positions", (MAX_ROWS, 4), -1), ("page_table", (MAX_ROWS, 1), 0),
-              ("gdn_slots", (MAX_ROWS,), -1))  # fmt: skip
+    @property
+    def tokens(self) -> Any:
+        return self.inputs.tokens
+
+    @property
+    def positions(self) -> Any:
+        return self.inputs.positions
+
+    @property
+    def page_table(self) -> Any:
+        return self.inputs.page_table
+
+    @property
+    def gdn_slots(self) -> Any:
+        return self.inputs.gdn_slots
 
     @staticmethod
-    def input_views(flat: Any) -> tuple[Any, ...]:
-        """(tokens, positions, page_table, gdn_slots) views of a flat int32 [112] array (host or device)."""
-        views, start = [], 0
-        for _, shape, _ in StepBuffers.INPUTS:
-            size = int(np.prod(shape))
-            views.append(flat[start : start + size].reshape(shape))
-            start += size
-        return tuple(views)
-
-    def stage(self) -> tuple[np.ndarray, ...]:
-        """Pinned host (tokens, positions, page_table, gdn_slots) for the next step, every row idle.
-
-        Fill the active rows, then `upload`. Blocks only while a copy queued two uploads ago is pending."""
-        turn = self._turn
-        self.uploaded[turn].synchronize()
-        np.copyto(self.staging[turn], self.idle)
-        return self._views[turn]
-
-    def upload(self, stream: Any, *, tokens_on_device: bool = False) -> None:
-        """Queue the copy of the staged inputs to the device on `stream` (returns at once). With
-        `tokens_on_device` the tokens are left as they are there (written by the GPU's token selection)."""
-        turn = self._turn
-        host = self.staging[turn]
-        skip = MAX_ROWS if tokens_on_device else 0  # `tokens` lies first
-        if SIMULATOR:
-            self.inputs[skip:].copy_to_device(host[skip:], stream=stream)
-        else:
-            device, *mirrors = self._pointers
-            offset = skip * host.itemsize
-            result = driver.cuMemcpyHtoDAsync(
-                device + offset, mirrors[turn] + offset, host.nbytes - offset, stream_handle(stream)
-            )
-            check("cuMemcpyHtoDAsync", result)
-        self.uploaded[turn].record(stream)
-        self._turn = (turn + 1) % len(self.uploaded)
+    def page_table_bytes(pages_per_row: int) -> int:
+        """Device and pinned host bytes of the page tables, per page a row holds."""
+        return 3 * MAX_ROWS * 4 * pages_per_row
 
     @classmethod
-    def allocate(cls, config: ModelConfig) -> StepBuffers:
+    def allocate(cls, config: ModelConfig, pages_per_row: int) -> StepBuffers:
         d = config.hidden_size
         attention_width = 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
         gdn_width = config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads
         mixed_width = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
-        idle = np.concatenate([np.full(int(np.prod(shape)), value, np.int32) for _, shape, value in cls.INPUTS])
-        inputs = cuda.to_device(idle)
-        staging = cuda.pinned_array((2, idle.size), np.int32)
-        staging[:] = idle
-        tokens, positions, page_table, gdn_slots = cls.input_views(inputs)
-        pointers = (0,) * 3 if SIMULATOR else (inputs.device_ctypes_pointer.value, *(m.ctypes.data for m in staging))
         return cls(
-            tokens=tokens,
-            positions=positions,
-            page_table=page_table,
-            gdn_slots=gdn_slots,
+            inputs=StepInputs(MAX_ROWS, pages_per_row),
             hidden=zeros((MAX_ROWS, d)),
             normalized=zeros((MAX_ROWS, d)),
             x_quants=zeros((MAX_ROWS, d // 4), np.uint32),
@@ -204,13 +207,6 @@ class StepBuffers:
             logits=zeros((MAX_ROWS, config.vocab_size)),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
-            inputs=inputs,
-            staging=staging,
-            # The simulator runs everything synchronously; its events take no timing flag and do nothing.
-            uploaded=[ordering_event() for _ in staging],
-            idle=idle,
-            _views=[cls.input_views(mirror) for mirror in staging],
-            _pointers=pointers,
         )
 
 
@@ -231,8 +227,9 @@ class AttentionSplits:
 
 def decode_launches(
     config: ModelConfig,
-    weights: ModelWeights,
-    states: SequenceStates,
+    weights: StageWeights,
+    kv: KvPages,
+    states: RecurrentStates,
     buffers: StepBuffers,
     splits: AttentionSplits,
     rows: int,
@@ -240,23 +237,26 @@ def decode_launches(
     *,
     tokens_per_sequence: int = 1,
 ) -> list[Launch]:
-    """Every launch of one step for the first `rows` rows of the step buffers, in order: one token of each
-    row's sequence, or (`tokens_per_sequence` = rows) consecutive tokens of one sequence, a prompt chunk:
-    each row's K/V lands in the cache before attention reads it, so row i sees the prompt up to itself, and
-    the Gated DeltaNet layers take the rows in order."""
+    """Every launch of one step of a stage's layers for the first `rows` rows of the step buffers, in order:
+    one token of each row's sequence, or (`tokens_per_sequence` = rows) consecutive tokens of one sequence, a
+    prompt chunk: each row's K/V lands in the cache before attention reads it, so row i sees the prompt up to
+    itself, and the Gated DeltaNet layers take the rows in order. The first stage embeds the tokens; the last
+    turns the hidden states into logits."""
     b = buffers
     hidden = b.hidden[:rows]
-    launches = [embed_q8_0(b.tokens[:rows], weights.embedding.quants, weights.embedding.scales, hidden)]
+    launches = []
+    if weights.embedding is not None:
+        launches.append(embed_q8_0(b.tokens[:rows], weights.embedding.quants, weights.embedding.scales, hidden))
     gdn_shape = GatedDeltaNetShape.from_config(config)
     inputs = MatmulInputs(b, rows, config.rms_eps, sm_count)
-    for index, layer in enumerate(weights.layers):
+    for index, layer in weights.layers.items():
         mixer = layer.mixer
         if isinstance(mixer, AttentionWeights):
             width = 2 * (config.num_heads + config.num_kv_heads) * config.head_dim
             projection = columns(b.projection, rows, width)
             launches += inputs.normed(mixer.qkv, hidden, layer.mixer_norm, projection)
             q = b.q[:rows]
-            k_cache, v_cache = states.k_cache[index], states.v_cache[index]
+            k_cache, v_cache = kv.caches(index)
             positions, pages = b.positions[:rows], b.page_table[:rows]
             launches.append(
                 qk_norm_rope_launch(
@@ -296,8 +296,8 @@ def decode_launches(
                 gdn_shape,
                 gdn_weights,
                 projection,
-                states.conv_state[index],
-                states.delta_state[index],
+                states.conv[index],
+                states.delta[index],
                 b.gdn_slots[:rows],
                 attended,
                 tokens_per_sequence=tokens_per_sequence,
@@ -306,7 +306,8 @@ def decode_launches(
         activated = columns(b.mixed, rows, config.ffn_size)
         launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")
         launches += inputs.project_into(layer.down, activated, hidden)
-    launches += inputs.normed(weights.lm_head, hidden, weights.output_norm, b.logits[:rows])
+    if weights.lm_head is not None:
+        launches += inputs.normed(weights.lm_head, hidden, weights.output_norm, b.logits[:rows])
     return launches
 
 
@@ -377,25 +378,3 @@ def _float_matmul(matrix: DeviceMatrix, x: Any, out: Any, mode: str) -> Launch:
     bf16 = matrix.tensor_type == GGMLQuantizationType.BF16
     weight = matrix.dense if matrix.tensor_type != GGMLQuantizationType.F16 else matrix.dense.view(np.float16)
     return gemv_float_launch(weight, x, out, mode=mode, bf16=bf16)
-
-
-def columns(buffer: Any, rows: int, width: int) -> Any:
-    """A contiguous [rows, width] view at the start of a [16, wider] buffer (rows of `width`, packed)."""
-    flat = buffer.reshape(-1)
-    return flat[: rows * width].reshape(rows, width)
-
-
-def zeros(shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
-    array = cuda.device_array(shape, dtype)
-    fill_zero(array)
-    return array
-
-
-def fill_zero(array: Any) -> None:
-    """Zero a contiguous device array on the device (no host-side buffer: states can be 100s of MB)."""
-    if SIMULATOR:
-        array[...] = 0
-    else:
-        from numba.cuda.cudadrv import driver
-
-        driver.device_memset(array, 0, array.nbytes)

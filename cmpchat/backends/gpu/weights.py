@@ -118,58 +118,89 @@ class LayerWeights:
 
 
 @dataclass
-class ModelWeights:
-    embedding: DeviceMatrix
-    layers: list[LayerWeights]
+class StageWeights:
+    """What one pipeline stage holds: its layers, plus the embedding on the first stage and the output norm
+    and LM head on the last (a tied LM head is the embedding matrix; a stage holding both shares it)."""
+
+    layers: dict[int, LayerWeights]
+    """global layer index -> weights, in order"""
+    embedding: DeviceMatrix | None
     output_norm: Any
-    lm_head: DeviceMatrix
+    lm_head: DeviceMatrix | None
 
 
-def upload_weights(model_file: ModelFile, config: ModelConfig, progress: Progress) -> ModelWeights:
-    """Every weight the decode step reads, one tensor (or row chunk) in host memory at a time."""
-    embedding = upload_matrix(model_file, ["token_embd.weight"], progress)
-    if not embedding.is_q8_0:
-        raise CmpchatError(
-            f"{model_file.path.name}: token_embd.weight is {embedding.tensor_type.name}; "
-            "the GPU backend needs a Q8_0 embedding (use a Q8_0 file)"
-        )
-    layers = []
-    for i, kind in enumerate(config.layer_kinds):
-        p = f"blk.{i}."
-        if kind is LayerKind.ATTENTION:
-            mixer: AttentionWeights | RecurrentWeights = AttentionWeights(
-                qkv=upload_matrix(
-                    model_file, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], progress
-                ),
-                output=upload_matrix(model_file, [p + "attn_output.weight"], progress),
-                q_norm=upload_vector(model_file, p + "attn_q_norm.weight", progress),
-                k_norm=upload_vector(model_file, p + "attn_k_norm.weight", progress),
+def stage_weight_bytes(model_file: ModelFile, config: ModelConfig, layers: range, *, first: bool, last: bool) -> int:
+    """GPU bytes of what `upload_stage_weights` uploads for this stage (as stored: Q8_0 keeps 34 bytes per 32)."""
+    total = sum(info.n_bytes for name, info in model_file.tensors.items() if _layer_of(name) in layers)
+    if first:
+        total += model_file.tensor_info("token_embd.weight").n_bytes
+    if last:
+        total += model_file.tensor_info("output_norm.weight").n_bytes
+        head = "token_embd.weight" if config.tied_embeddings else "output.weight"
+        if not (first and config.tied_embeddings):
+            total += model_file.tensor_info(head).n_bytes
+    return total
+
+
+def _layer_of(name: str) -> int | None:
+    if not name.startswith("blk."):
+        return None
+    return int(name.split(".", 2)[1])
+
+
+def upload_stage_weights(
+    model_file: ModelFile, config: ModelConfig, layers: range, *, first: bool, last: bool, progress: Progress
+) -> StageWeights:
+    """Every weight a stage's steps read, one tensor (or row chunk) in host memory at a time."""
+    embedding = None
+    if first:
+        embedding = upload_matrix(model_file, ["token_embd.weight"], progress)
+        if not embedding.is_q8_0:
+            raise CmpchatError(
+                f"{model_file.path.name}: token_embd.weight is {embedding.tensor_type.name}; "
+                "the GPU backend needs a Q8_0 embedding (use a Q8_0 file)"
             )
+    uploaded = {i: _upload_layer(model_file, config, i, progress) for i in layers}
+    output_norm, lm_head = None, None
+    if last:
+        output_norm = upload_vector(model_file, "output_norm.weight", progress)
+        if config.tied_embeddings:
+            lm_head = embedding or upload_matrix(model_file, ["token_embd.weight"], progress)
         else:
-            mixer = RecurrentWeights(
-                projection=upload_matrix(
-                    model_file,
-                    [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight", p + "ssm_alpha.weight"],
-                    progress,
-                ),
-                output=upload_matrix(model_file, [p + "ssm_out.weight"], progress),
-                conv_weight=upload_vector(
-                    model_file, p + "ssm_conv1d.weight", progress, (config.conv_dim, config.conv_kernel)
-                ),
-                ssm_a=upload_vector(model_file, p + "ssm_a", progress),
-                dt_bias=upload_vector(model_file, p + "ssm_dt.bias", progress),
-                norm_weight=upload_vector(model_file, p + "ssm_norm.weight", progress),
-            )
-        layers.append(
-            LayerWeights(
-                kind=kind,
-                mixer_norm=upload_vector(model_file, p + "attn_norm.weight", progress),
-                mlp_norm=upload_vector(model_file, p + "post_attention_norm.weight", progress),
-                mixer=mixer,
-                gate_up=upload_matrix(model_file, [p + "ffn_gate.weight", p + "ffn_up.weight"], progress),
-                down=upload_matrix(model_file, [p + "ffn_down.weight"], progress),
-            )
+            lm_head = upload_matrix(model_file, ["output.weight"], progress)
+    return StageWeights(uploaded, embedding, output_norm, lm_head)
+
+
+def _upload_layer(model_file: ModelFile, config: ModelConfig, i: int, progress: Progress) -> LayerWeights:
+    p = f"blk.{i}."
+    kind = config.layer_kinds[i]
+    if kind is LayerKind.ATTENTION:
+        mixer: AttentionWeights | RecurrentWeights = AttentionWeights(
+            qkv=upload_matrix(model_file, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], progress),
+            output=upload_matrix(model_file, [p + "attn_output.weight"], progress),
+            q_norm=upload_vector(model_file, p + "attn_q_norm.weight", progress),
+            k_norm=upload_vector(model_file, p + "attn_k_norm.weight", progress),
         )
-    output_norm = upload_vector(model_file, "output_norm.weight", progress)
-    lm_head = embedding if config.tied_embeddings else upload_matrix(model_file, ["output.weight"], progress)
-    return ModelWeights(embedding, layers, output_norm, lm_head)
+    else:
+        mixer = RecurrentWeights(
+            projection=upload_matrix(
+                model_file,
+                [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight", p + "ssm_alpha.weight"],
+                progress,
+            ),
+            output=upload_matrix(model_file, [p + "ssm_out.weight"], progress),
+            conv_weight=upload_vector(
+                model_file, p + "ssm_conv1d.weight", progress, (config.conv_dim, config.conv_kernel)
+            ),
+            ssm_a=upload_vector(model_file, p + "ssm_a", progress),
+            dt_bias=upload_vector(model_file, p + "ssm_dt.bias", progress),
+            norm_weight=upload_vector(model_file, p + "ssm_norm.weight", progress),
+        )
+    return LayerWeights(
+        kind=kind,
+        mixer_norm=upload_vector(model_file, p + "attn_norm.weight", progress),
+        mlp_norm=upload_vector(model_file, p + "post_attention_norm.weight", progress),
+        mixer=mixer,
+        gate_up=upload_matrix(model_file, [p + "ffn_gate.weight", p + "ffn_up.weight"], progress),
+        down=upload_matrix(model_file, [p + "ffn_down.weight"], progress),
+    )

@@ -1,0 +1,148 @@
+"""A stage: one GPU running a contiguous range of the model's layers, with everything it needs for them.
+
+Its weights (and the embedding if it is the first stage, the output norm and LM head if it is the last), the KV
+pages of its attention layers, the recurrent states of its GDN layers for every sequence slot, its step
+buffers, its stream, its captured steps and its memory plan. Nothing here asks CUDA for "the current device":
+the stage's device is made current around everything it allocates or launches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from numba import cuda
+
+from cmpchat.backends.gpu.device import GpuInfo
+from cmpchat.backends.gpu.kv_layout import KvLayout, KvPages
+from cmpchat.backends.gpu.memory_plan import StagePlan
+from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers, prompt_launches, prompt_step_supported
+from cmpchat.backends.gpu.states import RecurrentStates
+from cmpchat.backends.gpu.step import AttentionSplits, StepBuffers, decode_launches
+from cmpchat.backends.gpu.weights import StageWeights, upload_stage_weights
+from cmpchat.cudart.graph import StepLaunches
+from cmpchat.cudart.intrinsics import SIMULATOR
+from cmpchat.model.config import ModelConfig
+from cmpchat.model.gguf_file import ModelFile
+
+
+@dataclass
+class Stage:
+    index: int
+    gpu: GpuInfo
+    plan: StagePlan
+    config: ModelConfig
+    weights: StageWeights
+    kv: KvPages
+    states: RecurrentStates
+    buffers: StepBuffers
+    prompt: PromptBuffers | None
+    """The long-prompt step's buffers (None: this stage's layers cannot take it; prompts run 16 rows a step)."""
+    stream: Any
+    use_graphs: bool
+    decode_steps: dict[tuple[int, bool], StepLaunches] = field(default_factory=dict)
+    """(rows bucket, rows are one prompt's tokens) -> the step (its launches hold their attention scratch)"""
+    prompt_steps: dict[int, StepLaunches] = field(default_factory=dict)
+    """sequence state slot -> its long-prompt step (the GDN kernels take the slot)"""
+
+    @property
+    def is_first(self) -> bool:
+        return self.weights.embedding is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.weights.lm_head is not None
+
+    @property
+    def layers(self) -> range:
+        return self.plan.layers
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """Make this stage's GPU the current one (no-op under the simulator)."""
+        if SIMULATOR:
+            yield
+            return
+        with cuda.gpus[self.gpu.index]:
+            yield
+
+    @classmethod
+    def load(
+        cls,
+        index: int,
+        gpu: GpuInfo,
+        plan: StagePlan,
+        model_file: ModelFile,
+        config: ModelConfig,
+        layout: KvLayout,
+        *,
+        first: bool,
+        last: bool,
+        use_graphs: bool,
+        on_upload: Callable[[int], None],
+    ) -> Stage:
+        def make() -> Stage:
+            layers = plan.layers
+            weights = upload_stage_weights(model_file, config, layers, first=first, last=last, progress=on_upload)
+            attention = [i for i in layers if i in config.attention_layers]
+            recurrent = [i for i in layers if i in config.recurrent_layers]
+            pages_per_row = -(-plan.context_limit // plan.page_tokens)
+            prompt = None
+            if prompt_step_supported(config, weights) is None:
+                prompt = PromptBuffers.allocate(config, gpu.multiprocessors, PROMPT_ROWS, pages_per_row)
+            return cls(
+                index=index,
+                gpu=gpu,
+                plan=plan,
+                config=config,
+                weights=weights,
+                kv=layout.allocate(config, attention, plan.pool_pages, plan.page_tokens),
+                states=RecurrentStates.allocate(config, recurrent, plan.sequences),
+                buffers=StepBuffers.allocate(config, pages_per_row),
+                prompt=prompt,
+                stream=cuda.stream(),
+                use_graphs=use_graphs,
+            )
+
+        if SIMULATOR:
+            return make()
+        with cuda.gpus[gpu.index]:
+            return make()
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def run_decode(self, bucket: int, prompt: bool) -> None:
+        """Replay the decode step of `bucket` rows (built, run eagerly and captured the first time)."""
+        step = self.decode_steps.get((bucket, prompt))
+        if step is None:
+            splits = AttentionSplits.allocate(self.config, bucket, self.gpu.multiprocessors)  # held by the launches
+            launches = decode_launches(
+                self.config, self.weights, self.kv, self.states, self.buffers, splits, bucket,
+                self.gpu.multiprocessors, tokens_per_sequence=bucket if prompt else 1,
+            )  # fmt: skip
+            self.decode_steps[bucket, prompt] = StepLaunches.run_then_capture(launches, self.stream, self.use_graphs)
+        else:
+            step.run(self.stream)
+
+    def prepare_prompt_step(self, slot: int, *, run: bool) -> None:
+        """Build and capture the long-prompt step of `slot` if it is not there yet; `run` also runs it (once,
+        eagerly, which compiles its kernels: the first one needs it, later slots can be captured alone)."""
+        assert self.prompt is not None
+        if slot in self.prompt_steps:
+            return
+        launches = prompt_launches(
+            self.config, self.weights, self.kv, self.states, self.prompt, slot, self.gpu.multiprocessors
+        )
+        if run:
+            self.prompt_steps[slot] = StepLaunches.run_then_capture(launches, self.stream, self.use_graphs)
+        else:
+            self.prompt_steps[slot] = StepLaunches(launches, self.stream, self.use_graphs)
+
+    def run_prompt(self, slot: int) -> None:
+        step = self.prompt_steps.get(slot)
+        if step is None:
+            self.prepare_prompt_step(slot, run=True)
+        else:
+            step.run(self.stream)
