@@ -107,6 +107,14 @@ def test_staged_rows_and_changed_page_table_rows_land_on_the_device(where) -> No
     assert (got[0][0], tuple(got[1][0]), got[2][0]) == (42, (2, 1, 2, 3), 2)
     assert got[3][0, :3].tolist() == [4, 2, 9]
     assert len(copies.sizes) == 4  # three headers, one table row: only the step that added a page sent it
+    # Rows changed in turn through both mirrors: a span sent from one mirror carries the rows between too.
+    inputs.stage()
+    inputs.upload(stream, [[4, 2, 9], [6, 7]])  # row 1 through one mirror
+    inputs.stage()
+    inputs.upload(stream, [[5], [6, 7], [8]])  # rows 0 and 2 through the other: the span covers row 1
+    stream.synchronize()
+    table = device_inputs(inputs)[3]
+    assert table[0, 0] == 5 and table[1, :2].tolist() == [6, 7] and table[2, 0] == 8
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)

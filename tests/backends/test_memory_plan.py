@@ -85,11 +85,12 @@ def test_27b_does_not_fit_one_card_and_says_so():
 def test_more_sequence_states_leave_a_smaller_pool_and_kv_tokens_cap_it():
     config, weights, largest = config_of("4B")
     one = plan(config, weights, largest, 16 * GIB)
+    assert one.pool_tokens == 262_144  # one sequence never reads more than its full context
+    two = plan(config, weights, largest, 16 * GIB, sequences=2)
     twenty = plan(config, weights, largest, 16 * GIB, sequences=20)
-    assert twenty.pool_tokens < one.pool_tokens
-    assert (
-        one.pool_tokens - twenty.pool_tokens <= 19 * config.recurrent_state_bytes() // twenty.kv_bytes_per_token + 256
-    )
+    assert 262_144 < twenty.pool_tokens < two.pool_tokens < 2 * 262_144  # what the memory holds
+    states = 18 * config.recurrent_state_bytes()
+    assert two.pool_tokens - twenty.pool_tokens <= states // twenty.kv_bytes_per_token + 256
     capped = plan(config, weights, largest, 16 * GIB, kv_tokens=20_000)
     assert capped.pool_tokens == 20_000 // 256 * 256 and capped.total < one.total
 

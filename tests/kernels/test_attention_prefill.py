@@ -268,7 +268,7 @@ def test_matches_decode_attention_on_gpu(model):
     case = PrefillCase(heads, kv_heads, 256, 256, 5000, page_tokens=256, seed=8)
     prefill = run_prefill(case, gpu_config(heads, kv_heads, 256))
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    decode = run_decode(case, DecodeAttentionConfig.splits_for(256, kv_heads, sms))
+    decode = run_decode(case, DecodeAttentionConfig.splits_for(256, heads, kv_heads, sms))
     assert_close(prefill, decode.astype(np.float64), 2e-5)
 
 

@@ -33,7 +33,7 @@ SPILL_ALLOWANCES: dict[str, int] = {
     # The state pass holds the next W/K tile (64 values), its 4x4 state tile and Delta's operands in registers;
     # walking the tile rows with one address increment per load (instead of a division per load, 2.4x faster
     # on the H200) leaves sm_70 one 8-byte value in local memory, none on sm_90.
-    "cmpchat.kernels.gated_deltanet_chunked.gdn_chunk_state": 16,
+    "cmpchat.kernels.gated_deltanet_chunked.state.gdn_chunk_state": 16,
     # The prefetching GEMM at 128 registers: sm_90's default (no spill there); sm_70 runs the same code at
     # 168 registers (`gemm.SM70_TILING`), which does not spill.
     "cmpchat.kernels.gemm.gemm_q8_64_64k2p": 256,

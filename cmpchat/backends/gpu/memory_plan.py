@@ -110,7 +110,7 @@ def plan_stage(
     prompt_scratch: int = 0,
 ) -> StagePlan:
     """Fit `weights` bytes and `sequences` recurrent states, then a KV pool of what is left (at most
-    `kv_tokens`), with `prompt_scratch` bytes for the long-prompt step's buffers and the page tables
+    `kv_tokens`, and at most `sequences` full contexts), with `prompt_scratch` bytes for the long-prompt step's buffers and the page tables
     (`PromptBuffers.reserved_bytes`, `StepBuffers.page_table_bytes`)."""
     if not 1 <= sequences <= MAX_SEQUENCES:
         raise CmpchatError(f"a GPU holds 1 to {MAX_SEQUENCES} sequence states, not {sequences}")
@@ -120,7 +120,8 @@ def plan_stage(
     scratch = scratch_bytes(config) + prompt_scratch
     fixed = weights + recurrent + scratch + RESERVE_BYTES
     fits = (budget - fixed) // kv_bytes_per_token if budget > fixed else 0
-    pool = fits if kv_tokens is None else min(fits, kv_tokens)
+    # No set of sequences reads more than all of them at full context: a larger pool would only hold memory.
+    pool = min(fits, sequences * model_context, kv_tokens or fits)
     pool = pool // page_tokens * page_tokens
     least = min(MIN_CONTEXT, model_context)
     if pool < least:

@@ -16,7 +16,7 @@ the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,13 +241,22 @@ class CudaBackend(Backend[CudaSequence]):
         return self._read(sequence, tokens, positions, every_row=False)[-1]
 
     def score(self, sequence: CudaSequence, tokens: Sequence[int]) -> np.ndarray:
-        return np.concatenate([self.to_host(logits) for logits in self._read(sequence, tokens, None, every_row=True)])
+        rows: list[np.ndarray] = []
+        self._read(sequence, tokens, None, every_row=True, take=lambda logits: rows.append(self.to_host(logits)))
+        return np.concatenate(rows)
 
     def _read(
-        self, sequence: CudaSequence, tokens: Sequence[int], positions: np.ndarray | None, *, every_row: bool
+        self,
+        sequence: CudaSequence,
+        tokens: Sequence[int],
+        positions: np.ndarray | None,
+        *,
+        every_row: bool,
+        take: Callable[[CudaLogits], None] | None = None,
     ) -> list[CudaLogits]:
         """Feed `tokens` into `sequence`: long-prompt steps while PROMPT_ROWS remain (unless `every_row` wants
-        every row's logits), then 16-row chunks; the logits of each step (every row, or the last row)."""
+        every row's logits), then 16-row chunks; the logits of each step (every row, or the last row). Each
+        step's logits lie in a buffer the next step overwrites: `take` gets them before it runs."""
         _check_live(sequence)
         if len(tokens) == 0:
             raise ValueError("prefill needs at least one token")
@@ -272,12 +281,16 @@ class CudaBackend(Backend[CudaSequence]):
         while long_steps and len(tokens) - done >= PROMPT_ROWS:
             chunk_positions = None if positions is None else np.asarray(positions[done : done + PROMPT_ROWS])
             out.append(self._prompt_step(sequence, ids[done : done + PROMPT_ROWS], chunk_positions))
+            if take is not None:
+                take(out[-1])
             done += PROMPT_ROWS
         for start in range(done, len(tokens), MAX_ROWS):
             chunk = [int(t) for t in ids[start : start + MAX_ROWS]]
             chunk_positions = [None] * len(chunk) if positions is None else list(positions[start : start + len(chunk)])
             logits = self._step([sequence] * len(chunk), chunk, chunk_positions, prompt=True)
             out.append(logits if every_row else CudaLogits(logits.device[logits.rows - 1 :], 1))
+            if take is not None:
+                take(out[-1])
         return out
 
     def decode(self, sequences: Sequence[CudaSequence], tokens: Sequence[TokenInput]) -> CudaLogits:

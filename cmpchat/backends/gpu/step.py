@@ -71,8 +71,9 @@ class StepInputs:
         self.tokens, self.positions, self.gdn_slots, self.page_table = self.views(self.device)
         self._mirrors = [self.views(mirror) for mirror in self.staging]
         self._uploaded = [ordering_event() for _ in self.staging]
-        self._known = np.full((rows, pages_per_row), -1, np.int64)
-        """The page-table rows the device holds (-1: unknown)."""
+        self._known = np.zeros((rows, pages_per_row), np.int32)
+        """The page table the device holds (rows that `_valid` marks)."""
+        self._valid = np.zeros(rows, bool)
         self._pointers = (0,) * 3 if SIMULATOR else (self.device.device_ctypes_pointer.value,
                                                      *(m.ctypes.data for m in self.staging))  # fmt: skip
         self._turn = 0
@@ -111,28 +112,26 @@ class StepInputs:
         the step holds the pages of `pages[r]`); with `tokens_on_device` the tokens are left as they are on
         the device (written there by the GPU's token selection)."""
         turn = self._turn
-        table = self._mirrors[turn][3]
         changed = []
         for row, row_pages in enumerate(pages):
             count = len(row_pages)
             if count > self.pages_per_row:
                 raise ValueError(f"{count} pages exceed the {self.pages_per_row} a step's page table holds")
-            if not np.array_equal(self._known[row, :count], row_pages):
-                table[row, :count] = row_pages
+            if not self._valid[row] or not np.array_equal(self._known[row, :count], row_pages):
                 self._known[row, :count] = row_pages
+                self._valid[row] = True
                 changed.append(row)
         skip = self._offsets[1] if tokens_on_device else 0
         self._copy(turn, skip, self._offsets[3], stream)
         if changed:
             first, last = min(changed), max(changed) + 1
+            # The whole span goes up from this mirror, so it gets the rows in between too (the other mirror may
+            # have carried their last change).
+            self._mirrors[turn][3][first:last] = self._known[first:last]
             start = self._offsets[3] + first * self.pages_per_row
             self._copy(turn, start, self._offsets[3] + last * self.pages_per_row, stream)
         self._uploaded[turn].record(stream)
         self._turn = (turn + 1) % len(self._uploaded)
-
-    def forget_table(self) -> None:
-        """The device's page table was written by someone else (a row broadcast): upload it whole next time."""
-        self._known[:] = -1
 
     def _copy(self, turn: int, start: int, stop: int, stream: Any) -> None:
         host = self.staging[turn]
