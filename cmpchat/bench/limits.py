@@ -14,7 +14,7 @@ from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
 CMP_READ_BANDWIDTH = 818e9
-"""Bytes/s a CMP 100-210 streams from its HBM2 (DESIGN.md), for the labelled projections."""
+"""Bytes/s a CMP 100-210 streams from its HBM2 (docs/hardware.md, "The CMP 100-210"), for the labelled projections."""
 
 PUBLISHED_CMP_9B_DECODE = {"llama.cpp": 46.6, "qengine": 70.4}
 """Published tok/s of 9B Q8_0 decode on one CMP 100-210 (the decode-speed issue), printed beside ours."""

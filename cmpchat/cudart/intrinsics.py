@@ -21,7 +21,7 @@ Every kernel uses these names, so the simulator exercises the same kernel bodies
   launched early (sm_90+), to keep work that only pays while waiting out of sm_70 code;
   `prefetch_l2(array, index)`: ask L2 for the line holding array[index] (no register, nothing waits for it).
 
-No tensor-core instruction appears here or anywhere in the engine (DESIGN.md).
+No tensor-core instruction appears here or anywhere in the engine (docs/hardware.md, "No tensor cores").
 """
 
 from __future__ import annotations

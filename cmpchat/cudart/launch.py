@@ -22,7 +22,7 @@ class Launch:
     block: Dim
     args: tuple[Any, ...]
     shared_bytes: int = 0
-    """Dynamic shared memory; above 48 KB the kernel attribute must be raised first (DESIGN.md)."""
+    """Dynamic shared memory; above 48 KB the kernel attribute must be raised first (docs/hardware.md, "Numba-CUDA facts")."""
 
     def run(self, stream: Any = 0) -> None:
         """Launch through Numba's own path (argument marshalling per call: slow, simple, simulator-safe)."""

@@ -53,6 +53,26 @@ class LaunchTimings:
         return tuple(max(seconds - excess, 0.0) for seconds in self.per_launch)
 
 
+def time_launches(launches: Launch | Sequence[Launch], repeats: int = 100, warmup: int = 10) -> float:
+    """Seconds per run of `launches` (one or a list run in order): the list is captured as a CUDA graph,
+    and CUDA events time `repeats` replays queued back to back after `warmup` replays."""
+    sequence = [launches] if isinstance(launches, Launch) else list(launches)
+    stream = cuda.stream()
+    for launch in sequence:  # compile and load before capture
+        launch.run(stream)
+    graph = LaunchGraph.capture(sequence, stream)
+    for _ in range(warmup):
+        graph.replay(stream)
+    start, stop = cuda.event(), cuda.event()
+    start.record(stream)
+    for _ in range(repeats):
+        graph.replay(stream)
+    stop.record(stream)
+    stop.synchronize()
+    graph.close()
+    return cuda.event_elapsed_time(start, stop) / 1e3 / repeats
+
+
 def profile_launches(launches: Sequence[Launch | RawLaunch], stream: Any, replays: int = 20) -> LaunchTimings:
     """Time every launch of `launches` (already compiled: run them once first) and the whole list."""
     if SIMULATOR:

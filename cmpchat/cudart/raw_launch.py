@@ -36,7 +36,7 @@ if not SIMULATOR:
     from cuda.bindings import driver
 
 STATIC_SHARED_LIMIT = 48 * 1024
-"""Dynamic shared memory above this needs the kernel attribute raised first (DESIGN.md)."""
+"""Dynamic shared memory above this needs the kernel attribute raised first (docs/hardware.md, "Numba-CUDA facts that shape the code")."""
 
 
 def early_launch_enabled() -> bool:

@@ -5,7 +5,7 @@ signature is compiled by its dispatcher for the current GPU, the cubin is disass
 (or `nvdisasm`), and any opcode ending in MMA fails: HMMA, IMMA, BMMA, DMMA and Hopper's HGMMA/IGMMA/QGMMA
 (`python -m cmpchat.devtools.sass_check`; exit status 1 on a finding), except in the kernels the PTX check's
 allow-list names (`ptx_check.TENSOR_CORE_PROBE_KERNELS`: the tensor-core probe of `cmpchat doctor`). No
-sm_70 disassembler is installable (DESIGN.md), so this runs on the sm_90 test GPU: code generation is per
+sm_70 disassembler is installable (docs/hardware.md), so this runs on the sm_90 test GPU: code generation is per
 architecture, but a kernel whose PTX has no `mma` has no reason to gain one in any SASS.
 """
 

@@ -23,8 +23,9 @@ THROTTLE_MARGIN = 2.0
 """A path is throttled when its ratio is more than this many times below the healthy minimum."""
 
 KNOWN_READ_BYTES_PER_S = {"CMP 100-210": 818e9, "H200": 4.57e12}
-"""Streaming read of healthy cards, by a substring of the device name: the CMP's from DESIGN.md, the H200's as
-this probe measures it (DESIGN.md's 4.11 TB/s predates timing the read kernel from a CUDA graph)."""
+"""Streaming read of healthy cards, by a substring of the device name: the CMP's from docs/hardware.md
+("The CMP 100-210"), the H200's as this probe measures it (an earlier 4.11 TB/s predates timing the read kernel
+from a CUDA graph)."""
 KNOWN_READ_SHORTFALL = 0.8
 """Read bandwidth below this fraction of a known card's figure is flagged: lowered memory clocks are a
 common mining tweak, and decode slows in proportion."""

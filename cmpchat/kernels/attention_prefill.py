@@ -3,7 +3,7 @@
 The long-prompt step runs R (256) consecutive tokens ("rows") of one sequence. `decode_attention` would read
 each row's whole causal prefix: rows x context cache reads. Here a block takes a tile of Bq query tokens and
 all G = H/Hkv query heads of one KV head (M = Bq*G query vectors), so each K/V tile read from the cache
-serves M query vectors, and the work is fp32 FMAs on shared-memory operands (no tensor cores, DESIGN.md).
+serves M query vectors, and the work is fp32 FMAs on shared-memory operands (no tensor cores: docs/hardware.md).
 
 Inputs are those of `decode_attention` (attention.py: KV-cache layout, `positions`, `page_table`):
 - q fp32 [R, H, hd] (normed + RoPE'd), qkv fp32 [R, 2*(H+Hkv)*hd] (the gate of head h is columns

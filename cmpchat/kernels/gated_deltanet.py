@@ -1,4 +1,4 @@
-"""Gated DeltaNet step in two launches (QWEN35.md "Gated DeltaNet"): one token for each of B sequences
+"""Gated DeltaNet step in two launches (docs/model.md, "Gated DeltaNet layer"): one token for each of B sequences
 (decode), or n consecutive tokens of each of B/n sequences taken in order within the launches (a prompt
 chunk: `tokens_per_sequence`).
 

@@ -12,7 +12,7 @@ store; accumulate (y += W x); SwiGLU on W = [gate | up] stacked along rows (y = 
 
 Why this shape: prefill does 2 * rows * cols * T ops on rows * cols weight bytes, so from T ~ 64 the CMP
 (~17 TOPS dp4a, 818 GB/s) is dp4a-bound; what matters is that dp4a is most of what the SMs issue and that
-its operands come from shared memory without bank conflicts. Tensor cores are never used (DESIGN.md).
+its operands come from shared memory without bank conflicts. Tensor cores are never used (docs/hardware.md).
 
 Tiling (`GemmTiling`; the default `GPU_TILING` in brackets, `default_tiling` picks it per GPU):
 - A block owns [64] weight rows x [64] tokens with [4] warps. Its rows are two halves: consecutive rows in

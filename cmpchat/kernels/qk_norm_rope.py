@@ -1,7 +1,7 @@
 """Per-head q/k RMSNorm + partial IMROPE for one decode token per row, fused with the KV-cache write.
 
 Input: the fp32 fused q/k/v projection output, one row per sequence, width 2*H*hd + 2*Hkv*hd, laid out as
-the concatenation of attn_q, attn_k and attn_v outputs (QWEN35.md "Gated full-attention layer"):
+the concatenation of attn_q, attn_k and attn_v outputs (docs/model.md, "Gated attention layer"):
     [ q_0 | gate_0 | q_1 | gate_1 | ... | q_{H-1} | gate_{H-1} | k_0 | ... | k_{Hkv-1} | v_0 | ... | v_{Hkv-1} ]
 each piece hd values. The gates stay in place: the attention combine reads them from this buffer.
 
@@ -46,7 +46,7 @@ class RopeTables:
 
 
 def rope_tables(rope_dims: int, theta: float, sections: tuple[int, ...]) -> RopeTables:
-    """IMROPE tables (QWEN35.md): frequency i uses h when i % 3 == 1 and i < 3*sections[1], w when
+    """IMROPE tables (docs/model.md, "RoPE and M-RoPE"): frequency i uses h when i % 3 == 1 and i < 3*sections[1], w when
     i % 3 == 2 and i < 3*sections[2], else t; inv_freq_i = theta^(-2i/rope_dims), as the reference."""
     if rope_dims % 2 or rope_dims < 2:
         raise ValueError(f"rope_dims must be even and positive, got {rope_dims}")

@@ -1,6 +1,6 @@
 """The tensor-core probe behind `cmpchat doctor --tensor-cores`: the one kernel that issues tensor-core math.
 
-The CMP 100-210 throttles its tensor cores 64× (DESIGN.md), so no engine kernel may use them: the PTX and
+The CMP 100-210 throttles its tensor cores 64× (docs/hardware.md), so no engine kernel may use them: the PTX and
 SASS checks fail every kernel with a tensor-core instruction except those their allow-list names
 (`ptx_check.TENSOR_CORE_PROBE_KERNELS`), which is this module's `mma_chains` alone. It measures how fast the
 card runs them, so the doctor can say whether they are throttled; it runs only when asked for.

@@ -7,7 +7,7 @@ loops: Numba's `range` adds a sign test per step, issue slots a GPU whose FP32 p
 (Hopper) would take from the probed instruction. Each thread stores the sum of its chains, so no chain is
 dead code, and the stored value has a closed form the tests check. Counting rule, per instruction: dp4a = 8
 ops (4 multiplies + 4 adds), HFMA2 = 4 flops (2 lanes × multiply + add), FFMA = 2 flops. Times come from
-CUDA events (`gemv_bench.time_launches`), with the iteration count calibrated so one launch runs about
+CUDA events (`cudart.profile.time_launches`), with the iteration count calibrated so one launch runs about
 `seconds_per_launch`: a throttled pipe can be 64× slower than a healthy one.
 """
 
@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
-from cmpchat.bench.kernels.gemv import read_stream, time_launches
 from cmpchat.cudart.compile import kernel
-from cmpchat.cudart.intrinsics import dp4a, fma_f16x2, unpack_f16x2
+from cmpchat.cudart.intrinsics import dp4a, fma_f16x2, load_u32x4, unpack_f16x2
 from cmpchat.cudart.launch import Launch
+from cmpchat.cudart.profile import time_launches
 
 CHAINS = 8
 """Independent accumulators per thread in the compute probes (the kernels spell out each one)."""
@@ -164,10 +164,23 @@ def compute_rate(probe: ComputeProbe, seconds_per_launch: float = 0.005, repeats
     return calibrated_rate(launch_for, ops_per_iteration, seconds_per_launch, repeats)
 
 
+@kernel("void(uint32[::1], uint32[::1])")
+def read_stream(words, sink):
+    """The streaming-read probe: read every word once with 16-byte loads (grid-stride); one xor per thread keeps the loads alive."""
+    acc = uint32(0)
+    start = 4 * (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
+    stride = 4 * cuda.gridDim.x * cuda.blockDim.x
+    for i in range(start, words.shape[0], stride):
+        a, b, c, d = load_u32x4(words, i)
+        acc ^= a ^ b ^ c ^ d
+    if acc == uint32(0x9E3779B9):  # practically never: the store only defeats dead-code elimination
+        sink[0] = acc
+
+
 def streaming_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Bytes/s the current GPU streams from its memory with 16-byte loads: the decode denominator.
 
-    The GEMV benchmark's read kernel, on uninitialised memory: filling 1 GiB from the host would
+    `read_stream` on uninitialised memory: filling 1 GiB from the host would
     take 5 s over a CMP's PCIe Gen1 x1 link, and the values do not matter (the H200 reads both at 4.57 TB/s).
     """
     words = cuda.device_array(nbytes // 16 * 4, np.uint32)

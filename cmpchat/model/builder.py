@@ -21,7 +21,7 @@ ARCHITECTURE = "qwen35"
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The sizes that define a Qwen3.5 dense hybrid model (QWEN35.md "Released sizes")."""
+    """The sizes that define a Qwen3.5 dense hybrid model (docs/model.md, "Released sizes")."""
 
     name: str
     hidden_size: int

@@ -1,6 +1,6 @@
 """The typed shape of a Qwen3.5 / Qwen3.6 dense hybrid model, read from `qwen35.*` GGUF metadata.
 
-Every size comes from the file (QWEN35.md: "read sizes from metadata, never assume").
+Every size comes from the file (docs/model.md: sizes are read from metadata, never assumed).
 """
 
 from __future__ import annotations

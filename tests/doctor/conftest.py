@@ -13,7 +13,7 @@ from cmpchat.doctor.verdict import Finding
 
 
 def cmp_100_210(index: int = 0, peers: tuple[int, ...] = ()) -> GpuMeasurements:
-    """A CMP 100-210 from DESIGN.md's figures: 818 GB/s read; DP4A 17.2 TOPS counted as 4 multiply-adds per
+    """A CMP 100-210 from docs/hardware.md's figures: 818 GB/s read; DP4A 17.2 TOPS counted as 4 multiply-adds per
     dp4a = 4.3e12 dp4a/s = 34.4 TOPS at 8 ops; HFMA2 ~22 TFLOPS; FP32 ~10 TFLOPS; tensor cores throttled
     64×, capped near 5-6 TFLOPS; PCIe Gen1 x1 (~0.25 GB/s raw); no P2P. The copy figure is an estimate
     (a copy streams at about the read rate, as on the H200)."""

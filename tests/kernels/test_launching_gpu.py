@@ -115,7 +115,7 @@ def per_launch_microseconds(run, launches: int) -> float:
 
 
 def test_launch_overhead_eager_raw_and_graph(record_property):
-    """Host time per launch of a near-empty kernel; DESIGN.md expects about 20, 5 and 1 µs."""
+    """Host time per launch of a near-empty kernel; docs/hardware.md expects about 20, 5 and 1 µs."""
     count = 500
     counter = cuda.to_device(np.zeros(1, np.int32))
     stream = cuda.stream()

@@ -84,7 +84,7 @@ def test_device_scalars_are_one_element_views_of_one_array():
 
 
 def test_the_decode_kernels_that_may_start_early_are_marked_and_the_combine_is_not():
-    """Which kernels are early launches is a measured choice (README, "Early launch"): the one-row decode chain
+    """Which kernels are early launches is a measured choice (docs/performance.md, "Early launch"): the one-row decode chain
     and the batched one are, the attention combine is not (it made 4K-32K steps slower). The simulator never
     launches early, and says so."""
     from cmpchat.cudart.compile import is_early_launch

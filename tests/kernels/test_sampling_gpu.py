@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from cmpchat.bench.kernels.gemv import time_launches
+from cmpchat.cudart.profile import time_launches
 from cmpchat.kernels.sampling import (
     SamplingWorkspace,
     greedy_launches,

@@ -84,7 +84,7 @@ def test_other_architectures_are_refused_by_name(tmp_path, arch, fragment):
 
 
 def test_released_shapes_match_the_published_bytes_per_token():
-    """QWEN35.md: Q8_0 bytes read per decoded token (without the embedding) 9B ~ 8.4 GB, 27B ~ 27.2 GB."""
+    """docs/model.md: Q8_0 bytes read per decoded token (without the embedding) 9B ~ 8.4 GB, 27B ~ 27.2 GB."""
     for name, expected in [("9B", 8.4e9), ("27B", 27.2e9)]:
         specs = tensor_specs(MODEL_SHAPES[name])
         matrix_bytes = sum(

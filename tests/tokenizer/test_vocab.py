@@ -9,7 +9,7 @@ import gguf
 from cmpchat.tokenizer import bytes_to_unicode
 from cmpchat.vocab import QWEN35_VOCAB_SIZE, qwen35_vocabulary
 
-# From QWEN35.md, "Tokenizer and chat format".
+# From docs/model.md, "Tokenizer".
 DOCUMENTED_SPECIAL_IDS = {
     "<|endoftext|>": 248044,
     "<|im_start|>": 248045,

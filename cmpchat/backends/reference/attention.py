@@ -1,4 +1,4 @@
-"""Gated full attention (QWEN35.md "Gated full-attention layer") over a paged KV cache."""
+"""Gated full attention (docs/model.md, "Gated attention layer") over a paged KV cache."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet mixer (QWEN35.md "Gated DeltaNet layer"), token by token: the recurrence is the spec."""
+"""Gated DeltaNet mixer (docs/model.md, "Gated DeltaNet layer"), token by token: the recurrence is the spec."""
 
 from __future__ import annotations
 

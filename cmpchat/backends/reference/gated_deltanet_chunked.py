@@ -1,4 +1,4 @@
-"""Gated DeltaNet over a whole prompt in chunks: the WY (UT-transform) form of the recurrence (QWEN35.md
+"""Gated DeltaNet over a whole prompt in chunks: the WY (UT-transform) form of the recurrence (docs/model.md
 "Gated DeltaNet layer"), exact against the token-by-token rule it rewrites.
 
 The recurrence per value head, with state S [dk, dv] (row index = key dim), log decay g_t <= 0, alpha_t = e^g_t:

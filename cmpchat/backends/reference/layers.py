@@ -1,4 +1,4 @@
-"""Small numpy building blocks of the Qwen3.5 text model, all in fp32 (QWEN35.md)."""
+"""Small numpy building blocks of the Qwen3.5 text model, all in fp32 (docs/model.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The numpy reference backend: the whole Qwen3.5 text model, readable against QWEN35.md.
+"""The numpy reference backend: the whole Qwen3.5 text model, readable against docs/model.md.
 
 Every step works on segments (a sequence plus the tokens it takes now): a prefill is one segment of many
 tokens, a batched decode step is many segments of one token. Matmuls run over all segments' rows at once;

@@ -49,7 +49,7 @@ def benchmark_decode_attention(
 
     kv_gbps: the K and V bytes the step must read (batch*context*Hkv*hd*4) over the partial kernel's time.
     copy_gbps: a device-to-device copy of as many bytes in the same run, read + write counted: the limit
-    to compare with (DESIGN.md: report ratios to limits measured in the same run).
+    to compare with (docs/testing.md, "How figures are reported").
     """
     device = cuda.get_current_device()
     config = config or DecodeAttentionConfig.splits_for(batch, num_heads, num_kv_heads, device.MULTIPROCESSOR_COUNT)

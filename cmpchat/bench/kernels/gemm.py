@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from cmpchat.bench.kernels.gemv import QWEN_GEMV_SHAPES, time_launches
+from cmpchat.bench.kernels.gemv import QWEN_GEMV_SHAPES
+from cmpchat.cudart.profile import time_launches
 from cmpchat.kernels.gemm import SWEEP_TILINGS, GemmTiling, default_tiling, gemm_q8_launch
 from cmpchat.kernels.gemv import output_shape, weight_bytes
 from cmpchat.kernels.quantize import QUANT_BLOCK

@@ -17,16 +17,13 @@ cycled through copies worth 1 GiB) are what is measured.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, uint32
+from numba import cuda
 
-from cmpchat.cudart.compile import kernel
-from cmpchat.cudart.graph import LaunchGraph
-from cmpchat.cudart.intrinsics import load_u32x4
 from cmpchat.cudart.launch import Launch
+from cmpchat.cudart.profile import time_launches
 from cmpchat.cudart.selftest_kernels import count_launch
 from cmpchat.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
 from cmpchat.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, default_tiling, gemv_q8_fused_launch
@@ -34,7 +31,7 @@ from cmpchat.kernels.quantize import QUANT_BLOCK
 from cmpchat.model.builder import MODEL_SHAPES
 
 # (name, rows, cols, mode) of every Q8_0 projection a decode step runs, with the fused layouts the
-# backend uses (QWEN35.md): q|k|v, GDN qkv|gate|beta|alpha, ffn gate|up (SwiGLU); residual adds accumulate.
+# backend uses (docs/model.md, "On the GPU"): q|k|v, GDN qkv|gate|beta|alpha, ffn gate|up (SwiGLU); residual adds accumulate.
 QWEN_GEMV_SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
     "9B": [
         ("attn q+k+v", 8192 + 2 * 1024, 4096, "store"),
@@ -57,19 +54,6 @@ QWEN_GEMV_SHAPES: dict[str, list[tuple[str, int, int, str]]] = {
 }
 
 
-@kernel("void(uint32[::1], uint32[::1])")
-def read_stream(words, sink):
-    """Read every word once with 16-byte loads (grid-stride); one xor per thread keeps the loads alive."""
-    acc = uint32(0)
-    start = 4 * (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
-    stride = 4 * cuda.gridDim.x * cuda.blockDim.x
-    for i in range(start, words.shape[0], stride):
-        a, b, c, d = load_u32x4(words, i)
-        acc ^= a ^ b ^ c ^ d
-    if acc == uint32(0x9E3779B9):  # practically never: the store only defeats dead-code elimination
-        sink[0] = acc
-
-
 @dataclass(frozen=True)
 class GemvTiming:
     name: str
@@ -85,26 +69,6 @@ class GemvTiming:
     @property
     def gigabytes_per_second(self) -> float:
         return self.bytes_read / self.seconds / 1e9
-
-
-def time_launches(launches: Launch | Sequence[Launch], repeats: int = 100, warmup: int = 10) -> float:
-    """Seconds per run of `launches` (one or a list run in order): the list is captured as a CUDA graph,
-    and CUDA events time `repeats` replays queued back to back after `warmup` replays."""
-    sequence = [launches] if isinstance(launches, Launch) else list(launches)
-    stream = cuda.stream()
-    for launch in sequence:  # compile and load before capture
-        launch.run(stream)
-    graph = LaunchGraph.capture(sequence, stream)
-    for _ in range(warmup):
-        graph.replay(stream)
-    start, stop = cuda.event(), cuda.event()
-    start.record(stream)
-    for _ in range(repeats):
-        graph.replay(stream)
-    stop.record(stream)
-    stop.synchronize()
-    graph.close()
-    return cuda.event_elapsed_time(start, stop) / 1e3 / repeats
 
 
 def gemv_bytes_read(rows: int, cols: int, tokens: int, mode: str) -> int:

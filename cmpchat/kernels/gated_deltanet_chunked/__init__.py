@@ -1,5 +1,5 @@
 """Gated DeltaNet prefill: the T tokens of one prompt through one GDN layer, chunked (WY / UT transform) or
-token by token, in fp32 on CUDA cores (QWEN35.md "Gated DeltaNet"; the algorithm and its numerical safety are
+token by token, in fp32 on CUDA cores (docs/model.md, "Chunked form"; the algorithm and its numerical safety are
 in `cmpchat.backends.reference.gated_deltanet_chunked`, its numpy reference).
 
 Buffers are the decode step's (`gated_deltanet`): `projection [T, P]` (qkv | z | b | a per token),
@@ -44,7 +44,7 @@ Numba emits no vector shared-memory access, so the register tiles use the 16-byt
 Static shared memory (sm_70 allows 48 KB): prepare 36 KB, state 45 KB, output 26 KB, sequential 24.1 KB, conv and norm
 16.6 KB; all for dk <= 128 (a power of two), C <= 64. ptxas for sm_70 (CUDA 12.9), registers per thread: conv 64,
 prepare 128, state 255 (8 bytes spilled; none on sm_90), output 108, sequential 94, norm 60. No tensor-core
-instruction (DESIGN.md). Staging loops split indices with shifts and masks, never a division by a runtime
+instruction (docs/hardware.md). Staging loops split indices with shifts and masks, never a division by a runtime
 width (~20 instructions each: they were most of the state pass's instructions), and the chunked kernels' block-
 strided loops are while loops: Numba's range() with a runtime step works out its trip count with a 64-bit
 division and sign tests at every entry (prepare 4472 -> 2896 SASS instructions, output 2408 -> 1232).
