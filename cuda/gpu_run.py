@@ -5,8 +5,9 @@ intrinsics, raw launch, graph replay; if it fails nothing else runs), then every
 tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in full and bench modes the
 benchmarks (`cmpchat bench decode` on the 9B and 27B shapes, with llama.cpp when the archive that
 cuda/build_llama_cpp.sh packs is carried, and the GEMV micro-benchmark), in prefill mode `cmpchat bench
-prefill` with the GEMM, prefill-attention and chunked-GDN micro-benchmarks; their JSON lands beside the
-summary.
+prefill` with the GEMM, prefill-attention and chunked-GDN micro-benchmarks, in marks mode issue 25's engine
+marks (cuda/engine_marks.py: serve against bench, the KV pool, the app's second turn); their JSON lands beside
+the summary.
 
 Results go to the results folder: log.txt (written by gpu_run.sh), selftest.xml and tests.xml (JUnit,
 with the properties tests record, e.g. launch overheads), summary.json and summary.txt, so a later session
@@ -92,9 +93,20 @@ def run_pytest(files: list[str], marker: str, junit: Path, timeout: int, extra: 
 
 
 def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str, tokens: list[int]) -> dict:
-    """The measurements: decode (bench and full modes), prompt processing (prefill mode), or the tuning
+    """The measurements: decode (bench and full modes), prompt processing (prefill mode), the tuning
     sweeps (sweep mode: each compiles and times dozens of kernel variants, so they get a device call of
-    their own)."""
+    their own), or the engine's marks (marks mode: its table goes into the summary)."""
+    if mode == "marks":
+        folder = results / "engine-marks"
+        left = int(deadline - time.monotonic()) - 15
+        command = [sys.executable, "cuda/engine_marks.py", "--shape", shapes[0], "--folder", BENCH_FOLDER,
+                   "--results", str(folder), "--total-budget", str(max(left, 1))]  # fmt: skip
+        result = _timed(command, timeout=max(deadline - time.monotonic(), 1))
+        try:
+            result["marks"] = json.loads((folder / "engine_marks.json").read_text())["marks"]
+        except (OSError, ValueError, KeyError):
+            pass
+        return {"engine_marks": result}
     kernel_shapes = [s for s in shapes if s in ("9B", "27B")]
     gemv = [sys.executable, "-m", "cmpchat.bench.kernels.gemv", *kernel_shapes]
     gemm = [sys.executable, "-m", "cmpchat.bench.kernels.gemm", *kernel_shapes, "--tokens", "256", "512", "2048"]
@@ -197,13 +209,16 @@ def format_summary(summary: dict) -> str:
                 lines.append(f"  {case['name']}: {case['properties']}")
     for name, bench in summary.get("benchmarks", {}).items():
         lines.append(f"benchmark {name}: exit {bench['returncode']} in {bench['seconds']:.1f} s")
+        for row in bench.get("marks", []):
+            verdict = {True: "PASS", False: "FAIL", None: "-"}[row["passed"]]
+            lines.append(f"  {row['part']}: {row['what']}: {row['value']} (mark {row['mark'] or '-'}) {verdict}")
     lines.append("RESULT: " + ("PASS" if summary["passed"] else "FAIL"))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the GPU tests (use cuda/gpu_run.sh).")
-    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench", "prefill", "sweep"], default="quick")
+    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench", "prefill", "sweep", "marks"], default="quick")
     parser.add_argument("--shapes", nargs="+", default=["9B", "27B"], help="model shapes the benchmarks run")
     parser.add_argument("--tokens", type=int, nargs="+", default=[], help="prompt lengths (prefill mode)")
     parser.add_argument("--results", type=Path, required=True)
