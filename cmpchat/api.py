@@ -248,7 +248,7 @@ def open_model(
     if sequences < 1 or cache_states < 0:
         raise CmpchatError("sequences must be at least 1 and cache_states at least 0")
     is_demo = path is None
-    model_path = ensure_demo_model(progress) if is_demo else Path(path)
+    model_path = ensure_demo_model(progress) if path is None else Path(path)
     model_file = ModelFile(model_path)
     config = ModelConfig.from_model_file(model_file)
     if backend == "auto":

@@ -235,7 +235,7 @@ def _bpe_engine(
         if kind not in _SPECIAL_TYPES and kind != _UNUSED_TYPE
     }
     try:
-        merge_pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+        merge_pairs = [(left, right) for left, _, right in (merge.partition(" ") for merge in merges)]
         # ignore_merges: a pre-token that is itself a vocabulary entry becomes that token, as in
         # tiktoken; a few Qwen tokens cannot be reached through merges otherwise
         model = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=True)

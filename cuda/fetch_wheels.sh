@@ -29,6 +29,14 @@ WHEELS=(
     pytest-asyncio==1.5.0
     # speed_check.py dumps the app's threads with it when the app stalls
     py-spy==0.4.3
+    # `cmpchat serve` (engine_marks.py's serve part): the web stack and what it needs beyond the image's
+    uvicorn==0.54.0
+    starlette==1.10.0
+    pydantic==2.14.4
+    pydantic-core==2.50.5
+    annotated-types==0.8.0
+    typing-inspection==0.4.5
+    typing-extensions==4.16.0
 )
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 

@@ -25,7 +25,7 @@ from cmpchat.errors import CmpchatError
 from cmpchat.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from cmpchat.backends.gpu.model import CudaBackend
+    from cmpchat.backends.gpu.model import CudaBackend, CudaSequence
 
 WARMUP_STEPS = 8
 FILLER_TOKEN = 1
@@ -76,7 +76,7 @@ def run_decode(
     runs = []
     for context in contexts:
         say(f"  decoding {tokens} tokens at context {context}")
-        seconds = _time_replies(engine, 1, context, tokens)
+        seconds = _time_replies(engine, backend, 1, context, tokens)
         launches = backend.step_launches(1)
         profile = profile_launches(launches, backend.stream)
         in_replay = cost_in_replay(launches, backend.stream, kernel_family)
@@ -98,7 +98,7 @@ def run_decode(
     for batch in batches:
         context = contexts[0]
         say(f"  decoding {tokens} steps of {batch} sequences at context {context}")
-        seconds = _time_replies(engine, batch, context, tokens)
+        seconds = _time_replies(engine, backend, batch, context, tokens)
         bytes_ = step_bytes(weights, config, context, batch)
         runs.append(
             DecodeRun(
@@ -114,10 +114,9 @@ def run_decode(
     return runs
 
 
-def _time_replies(engine: Engine[CudaBackend], batch: int, context: int, tokens: int) -> float:
+def _time_replies(engine: Engine[CudaSequence], backend: CudaBackend, batch: int, context: int, tokens: int) -> float:
     """Seconds from the moment `batch` greedy replies after `context` tokens all have WARMUP_STEPS tokens to
     the moment all have `tokens` more (the engine runs on this thread, as in `cmpchat run`)."""
-    backend = engine.backend
     prefix = [FILLER_TOKEN] * context
     if context:
         base = backend.new_sequence()

@@ -95,7 +95,7 @@ def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
     _say(f"{path.name}: prompts of {args.tokens} tokens")
     runs = run_prefill(backend, args.tokens, say=_say, profile_step=profile_step)
     gpu = backend.gpu.name
-    backend = None  # freed before llama.cpp loads the file
+    backend.close()  # its GPU memory goes back before llama.cpp loads the file
     _free_gpu_memory()
     llama = []
     if args.llama_bench:

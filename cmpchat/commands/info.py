@@ -27,7 +27,7 @@ def describe(model_file: ModelFile, config: ModelConfig) -> list[str]:
     size = model_file.path.stat().st_size
     mtp = f" + {c.num_mtp_layers} MTP" if c.num_mtp_layers else ""
     counts = Counter(info.type_name for info in model_file.tensors.values())
-    type_bytes = Counter()
+    type_bytes: Counter[str] = Counter()
     for info in model_file.tensors.values():
         type_bytes[info.type_name] += info.n_bytes
     types = ", ".join(f"{name} x{counts[name]} ({_gib(type_bytes[name])})" for name in sorted(counts))

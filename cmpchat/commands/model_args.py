@@ -30,9 +30,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eager", action="store_true", help="launch GPU kernels one by one (debugging)")
 
 
-def open_from_args(args: argparse.Namespace, **engine: int) -> Model:
-    """Open the model the arguments name; `engine` holds `open_model`'s engine options (sequences decoded
-    together, cache_states kept, max_waiting, prefill_chunk)."""
+def open_from_args(
+    args: argparse.Namespace,
+    *,
+    sequences: int = 1,
+    cache_states: int = 4,
+    max_waiting: int = 64,
+    prefill_chunk: int = 512,
+) -> Model:
+    """Open the model the arguments name, with `open_model`'s engine options (replies decoded together, states
+    kept for reuse, requests queued, prompt tokens read between decode steps)."""
     progress = StderrProgress()
     try:
         model = open_model(
@@ -43,7 +50,10 @@ def open_from_args(args: argparse.Namespace, **engine: int) -> Model:
             kv_tokens=args.kv_tokens,
             use_graphs=not args.eager,
             progress=progress,
-            **engine,
+            sequences=sequences,
+            cache_states=cache_states,
+            max_waiting=max_waiting,
+            prefill_chunk=prefill_chunk,
         )
     finally:
         progress.close()

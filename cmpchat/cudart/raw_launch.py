@@ -150,7 +150,7 @@ def _param_table(function: Any) -> tuple[tuple[int, int], ...] | None:
     get_info = getattr(driver, "cuFuncGetParamInfo", None)
     if get_info is None:
         return None
-    table = []
+    table: list[tuple[int, int]] = []
     while True:
         try:
             result = get_info(function, len(table))

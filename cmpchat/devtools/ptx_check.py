@@ -285,6 +285,7 @@ _JOBS: tuple[list[tuple[KernelSpec, str]], Path, Path | None] | None = None
 
 
 def _check_job(index: int) -> KernelReport:
+    assert _JOBS is not None, "set by check_all before the workers fork"
     jobs, ptxas, ptx_dir = _JOBS
     spec, signature = jobs[index]
     return check_kernel(spec, signature, ptxas, ptx_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cmpchat.backends.gpu.device import cuda_gpu_present
 from cmpchat.doctor.measurements import GpuMeasurements
@@ -103,7 +104,7 @@ def measure_gpu(
     with cuda.gpus[index]:
         device = cuda.get_current_device()
         name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
-        results = {}
+        results: dict[str, Any] = {}
         for done, (step, run) in enumerate(steps):
             if progress is not None:
                 progress(f"GPU {index} ({name}): {step}", done, len(steps))

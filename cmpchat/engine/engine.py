@@ -255,7 +255,7 @@ class Engine(Generic[S]):
             # The prompt's pages must fit beside what runs; saved states give way (a waiting request never
             # preempts a running one).
             needed = pool.pages_for(len(item.tokens) + 1) - resumed // pool.page_tokens
-            if not self._make_room(lambda needed=needed: needed, sequences=0 if hit is not None else 1):
+            if not self._make_room(needed, sequences=0 if hit is not None else 1):
                 if hit is not None:
                     self.backend.release(hit.sequence)
                 return
@@ -284,11 +284,18 @@ class Engine(Generic[S]):
             return self._next_to_admit()
         return item
 
-    def _make_room(self, pages: Callable[[], int], *, sequences: int = 0, keep: ActiveRequest | None = None) -> bool:
-        """Free `pages()` KV pages and `sequences` sequences: saved states first (least recently used), then, for
-        a running `keep`, running requests younger than it, youngest first. False when that is not enough."""
+    def _make_room(
+        self, pages: int | Callable[[], int], *, sequences: int = 0, keep: ActiveRequest | None = None
+    ) -> bool:
+        """Free `pages` KV pages (a count, or a function that counts them as requests give theirs back) and
+        `sequences` sequences: saved states first (least recently used), then, for a running `keep`, running
+        requests younger than it, youngest first. False when that is not enough."""
         backend = self.backend
-        while backend.pool.free_pages < pages() or backend.free_sequences < sequences:
+
+        def wanted() -> int:
+            return pages() if callable(pages) else pages
+
+        while backend.pool.free_pages < wanted() or backend.free_sequences < sequences:
             if self.prefix_cache.evict_oldest():
                 continue
             running = self.scheduler.running
@@ -335,7 +342,7 @@ class Engine(Generic[S]):
         logits = None
         if rows:
             try:
-                logits = self.backend.decode([item.sequence for item in rows], [item.pending for item in rows])
+                logits = self.backend.decode([item.sequence for item in rows], [_pending(item) for item in rows])
             except Exception as err:
                 self._fail(rows, _describe(err))
                 return [item for item in items if item not in rows], [], None
@@ -409,7 +416,7 @@ class Engine(Generic[S]):
             started = time.perf_counter()
             chunk = end - item.fed
             room = self.backend.pages_to_grow(item.sequence, chunk + 1)  # the pages it holds do not change meanwhile
-            if not self._make_room(lambda room=room: room, keep=item):
+            if not self._make_room(room, keep=item):
                 continue  # older requests hold the pool; this one waits for them (or is preempted by them)
             try:
                 logits = self.backend.prefill(item.sequence, item.tokens[item.fed : end])
@@ -500,6 +507,11 @@ class Engine(Generic[S]):
                 item.sink(events)
             except Exception:
                 log.exception("the event sink of request %d failed", item.handle.id)
+
+
+def _pending(item: ActiveRequest) -> Chosen:
+    assert item.pending is not None, "a decoding request has its next token chosen"
+    return item.pending
 
 
 def _describe(err: Exception) -> str:

@@ -112,7 +112,7 @@ class EngineSpec:
         return Path(self.values.get("model", default))
 
     def open_arguments(self) -> dict[str, Any]:
-        return {KEYS[n].argument: v for n, v in self.values.items() if KEYS[n].argument is not None}
+        return {argument: v for n, v in self.values.items() if (argument := KEYS[n].argument) is not None}
 
     def describe(self) -> str:
         return self.text or "defaults"

@@ -155,8 +155,8 @@ class GemmTiling:
         """Rounds each thread runs per stage for (weight 16-byte groups, activation 16-byte groups, weight
         scales, activation scales): enough to cover every staged value whatever the block size."""
         groups = self.stage_words // 4
-        counts = (self.tile_rows * groups, self.tile_tokens * groups)
-        counts += (self.tile_rows * self.stage_blocks, self.tile_tokens * self.stage_blocks)
+        counts = (self.tile_rows * groups, self.tile_tokens * groups,
+                  self.tile_rows * self.stage_blocks, self.tile_tokens * self.stage_blocks)  # fmt: skip
         a, b, c, d = (-(-count // self.threads) for count in counts)
         return a, b, c, d
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cmpchat.api import Model
+from cmpchat.chat.messages import ImagePart as ChatImagePart
 from cmpchat.chat.messages import Message, TextPart, Tool, ToolCall
 from cmpchat.chat.output_parser import new_call_id
 from cmpchat.engine.reply import GenerationOptions
@@ -117,7 +118,7 @@ def _options(body: GenerationFields, settings: ServerSettings, max_tokens: int) 
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")
-    return GenerationOptions(sampling=sampling, max_tokens=max_tokens, stop=stop)
+    return GenerationOptions(sampling=sampling, max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos)
 
 
 def _pick(value: _T | None, default: _T) -> _T:
@@ -143,12 +144,12 @@ def _message(message: ChatMessage, index: int) -> Message:
     )
 
 
-def _content(message: ChatMessage, where: str) -> str | list[TextPart]:
+def _content(message: ChatMessage, where: str) -> str | list[TextPart | ChatImagePart]:
     if message.content is None:
         return ""
     if isinstance(message.content, str):
         return message.content
-    parts: list[TextPart] = []
+    parts: list[TextPart | ChatImagePart] = []
     for j, part in enumerate(message.content):
         if isinstance(part, ImagePart):
             raise ApiError(
@@ -201,10 +202,11 @@ def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]], mo
         prompt = prompt[0]
     if isinstance(prompt, str):
         return model.tokenize(prompt, parse_special=True)
+    ids = [token for token in prompt if isinstance(token, int)]
     vocab = model.config.vocab_size
-    if any(not 0 <= token < vocab for token in prompt):
+    if len(ids) != len(prompt) or any(not 0 <= token < vocab for token in ids):
         raise ApiError(400, f"prompt: token ids must be in 0..{vocab - 1}", param="prompt")
-    return list(prompt)
+    return ids
 
 
 def _check_context(tokens: Sequence[int], model: Model) -> None:

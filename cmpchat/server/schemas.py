@@ -108,6 +108,8 @@ class GenerationFields(_Body):
     seed: int | None = Field(None, ge=-1, le=_MAX_INT64)
     """-1: a random seed, as llama-server reads it."""
     n: int | None = Field(None, ge=1, le=128)
+    ignore_eos: bool = False
+    """llama-server's extension: keep generating past end tokens (benchmarks)."""
 
 
 class ChatCompletionRequest(GenerationFields):

@@ -157,6 +157,12 @@ class CudaBackend(Backend[CudaSequence]):
     def plan(self) -> StagePlan:
         return self.plans[0]
 
+    def close(self) -> None:
+        """Let go of every device buffer now (benchmarks load the next model, or llama.cpp, right after);
+        the backend cannot run steps afterwards."""
+        self.stages = []
+        del self._sampler
+
     def describe(self) -> list[str]:
         lines = []
         for stage in self.stages:
@@ -286,8 +292,8 @@ class CudaBackend(Backend[CudaSequence]):
             done += PROMPT_ROWS
         for start in range(done, len(tokens), MAX_ROWS):
             chunk = [int(t) for t in ids[start : start + MAX_ROWS]]
-            chunk_positions = [None] * len(chunk) if positions is None else list(positions[start : start + len(chunk)])
-            logits = self._step([sequence] * len(chunk), chunk, chunk_positions, prompt=True)
+            row_positions = [None] * len(chunk) if positions is None else list(positions[start : start + len(chunk)])
+            logits = self._step([sequence] * len(chunk), chunk, row_positions, prompt=True)
             out.append(logits if every_row else CudaLogits(logits.device[logits.rows - 1 :], 1))
             if take is not None:
                 take(out[-1])

@@ -65,13 +65,18 @@ def benchmark_decode_attention(
     page_table = np.arange(shape[0], dtype=np.int32).reshape(batch, pages_per_row)
     q = rng.standard_normal((batch, num_heads, head_dim)).astype(np.float32)
     qkv = rng.standard_normal((batch, 2 * (num_heads + num_kv_heads) * head_dim)).astype(np.float32)
-    inputs = [cuda.to_device(a) for a in (q, qkv, positions, page_table)]
+    q_d, qkv_d, positions_d, table_d = (cuda.to_device(a) for a in (q, qkv, positions, page_table))
     acc_shape, ml_shape = partial_buffer_shapes(batch, num_heads, head_dim, config)
-    outputs = [cuda.device_array(s, np.float32) for s in (acc_shape, ml_shape, (batch, num_heads * head_dim))]
-    partial, combine = decode_attention(*inputs, k_cache, v_cache, *outputs, config)
+    acc, ml, out = (cuda.device_array(s, np.float32) for s in (acc_shape, ml_shape, (batch, num_heads * head_dim)))
+    partial, combine = decode_attention(q_d, qkv_d, positions_d, table_d, k_cache, v_cache, acc, ml, out, config)
     kv_bytes = batch * context * num_kv_heads * head_dim * 2 * 2
     source, target = (cuda.device_array(max(kv_bytes, 1 << 28), np.uint8) for _ in range(2))
-    step_seconds = seconds_per_call(lambda: (partial.run(), combine.run()), repeats)
+
+    def step() -> None:
+        partial.run()
+        combine.run()
+
+    step_seconds = seconds_per_call(step, repeats)
     partial_seconds = seconds_per_call(partial.run, repeats)
     copy_seconds = seconds_per_call(lambda: target.copy_to_device(source), repeats)
     return {

@@ -55,11 +55,16 @@ def benchmark_prefill_attention(
     page_table = np.tile(np.arange(pages, dtype=np.int32), (rows, 1))
     q = rng.standard_normal((rows, num_heads, head_dim)).astype(np.float32)
     qkv = rng.standard_normal((rows, 2 * (num_heads + num_kv_heads) * head_dim)).astype(np.float32)
-    inputs = [cuda.to_device(a) for a in (q, qkv, positions, page_table)]
+    q_d, qkv_d, positions_d, table_d = (cuda.to_device(a) for a in (q, qkv, positions, page_table))
     acc_shape, ml_shape = partial_buffer_shapes(rows, num_heads, head_dim, config)
-    outputs = [cuda.device_array(s, np.float32) for s in (acc_shape, ml_shape, (rows, num_heads * head_dim))]
-    partial, combine = prefill_attention(*inputs, k_cache, v_cache, *outputs, config)
-    step_seconds = seconds_per_call(lambda: (partial.run(), combine.run()), repeats)
+    acc, ml, out = (cuda.device_array(s, np.float32) for s in (acc_shape, ml_shape, (rows, num_heads * head_dim)))
+    partial, combine = prefill_attention(q_d, qkv_d, positions_d, table_d, k_cache, v_cache, acc, ml, out, config)
+
+    def step() -> None:
+        partial.run()
+        combine.run()
+
+    step_seconds = seconds_per_call(step, repeats)
     partial_seconds = seconds_per_call(partial.run, repeats)
     fmas = causal_fmas(positions[:, 0], num_heads, head_dim)
     return {

@@ -8,6 +8,7 @@ import numpy as np
 from numba import cuda
 
 from cmpchat.bench.kernels.timing import timed_while_held
+from cmpchat.cudart.launch import Launch
 from cmpchat.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights, decode_step
 
 
@@ -48,13 +49,13 @@ def benchmark_decode_step(
     state_template = cuda.to_device(
         (0.05 * rng.standard_normal((batch, shape.num_v_heads, shape.k_head_dim, shape.v_head_dim))).astype(f32)
     )
-    steps_launches = []
+    steps_launches: list[list[Launch]] = []
     for _ in range(copies):
         conv_state = cuda.device_array_like(conv_template)
         conv_state.copy_to_device(conv_template)
         delta_state = cuda.device_array_like(state_template)
         delta_state.copy_to_device(state_template)  # device to device: no PCIe traffic
-        steps_launches.append(decode_step(shape, weights, projection, conv_state, delta_state, slots, out, mixed))
+        steps_launches.append(list(decode_step(shape, weights, projection, conv_state, delta_state, slots, out, mixed)))
 
     def time_us(run_step: Any, repeats: int) -> tuple[float, bool]:
         run_step(0)  # compile and warm up

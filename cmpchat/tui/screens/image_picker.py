@@ -81,8 +81,8 @@ class ImagePickerScreen(ModalScreen[Path | None]):
             await image.remove()
         caption = self.query_one("#preview-caption", Static)
         try:
-            with PILImage.open(path) as image:
-                image.verify()
+            with PILImage.open(path) as opened:
+                opened.verify()
         except (OSError, SyntaxError, ValueError) as err:  # PIL's ways of saying "not an image"
             caption.update(f"{path.name}: not an image cmpchat can read ({err})")
             self.chosen = None

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from textual.containers import VerticalScroll
+from textual.widget import Widget
 from textual.widgets import Static
 
 from cmpchat.history.store import MessageRecord
@@ -27,7 +28,7 @@ class Conversation(VerticalScroll):
     async def show(self, records: Sequence[MessageRecord], image_path: Callable[[str], Path], model_label: str) -> None:
         """Replace what is shown with the stored turns of a chat."""
         await self.remove_children()
-        views = []
+        views: list[Widget] = []
         for record in records:
             if record.role == "user":
                 views.append(UserMessage(record.content, [image_path(i) for i in record.images]))
