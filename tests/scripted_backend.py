@@ -90,10 +90,6 @@ class ScriptedBackend(Backend[ScriptedSequence]):
         self._lock = threading.Lock()
 
     @property
-    def live_sequences(self) -> int:
-        return self._held
-
-    @property
     def held_sequences(self) -> int:
         return self._held
 

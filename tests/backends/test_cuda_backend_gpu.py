@@ -38,7 +38,7 @@ def per_position_error(got: np.ndarray, expected: np.ndarray) -> np.ndarray:
 def sensitivity(reference: ReferenceBackend, tokens: list[int], expected: np.ndarray) -> np.ndarray:
     """How far the reference moves by itself when its embeddings are scaled by 1 + 1e-6."""
     embed = reference.embed
-    reference.embed = lambda ids: embed(ids) * np.float32(1 + 1e-6)  # type: ignore[method-assign]
+    reference.embed = lambda tokens: embed(tokens) * np.float32(1 + 1e-6)  # type: ignore[method-assign]
     try:
         moved = reference.score(reference.new_sequence(), tokens)
     finally:
@@ -202,6 +202,7 @@ def test_the_engine_feeds_each_choice_on_the_gpu_and_gets_the_host_fed_tokens():
     # The engine queues each step with the selection's ids still on the GPU and reads them while it runs: its
     # greedy reply must be the host-fed argmax loop's, and a seeded sampled reply the same twice.
     from cmpchat.engine.engine import Engine
+    from cmpchat.engine.events import Finished
     from cmpchat.engine.reply import GenerationOptions
     from cmpchat.engine.request import GenerationRequest
     from cmpchat.sampling import SamplingParams
@@ -219,7 +220,9 @@ def test_the_engine_feeds_each_choice_on_the_gpu_and_gets_the_host_fed_tokens():
     expected = expected[: ends[0]] if ends else expected
 
     def reply(options: GenerationOptions) -> str:
-        return list(engine.generate(GenerationRequest(tuple(prompt), options)))[-1].content
+        *_, finished = engine.generate(GenerationRequest(tuple(prompt), options))
+        assert isinstance(finished, Finished)
+        return finished.content
 
     assert reply(GenerationOptions(max_tokens=steps, raw_text=True)) == tokenizer.decode(expected)
     sampled = GenerationOptions(max_tokens=steps, raw_text=True, sampling=SamplingParams(temperature=0.8, seed=4))
@@ -274,7 +277,8 @@ def test_requests_preempted_for_kv_pages_on_the_gpu_say_what_they_say_alone():
     for prompt, sink in zip(prompts, events, strict=True):
         together = sink[-1]
         assert isinstance(together, Finished) and together.timings.generated_tokens == 200
-        expected = list(alone.generate(GenerationRequest(prompt, options)))[-1]
+        *_, expected = alone.generate(GenerationRequest(prompt, options))
+        assert isinstance(expected, Finished)
         same = tokenizer.encode(together.content) == tokenizer.encode(expected.content)
         if not same:  # allowed only past a near tie: re-read rows go through other kernels
             common = next(i for i, (a, b) in enumerate(zip(together.content, expected.content)) if a != b)
@@ -336,4 +340,5 @@ def test_chat_runs_end_to_end_on_the_gpu():
     finished = events[-1]
     assert isinstance(finished, Finished) and finished.timings.generated_tokens >= 1
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == finished.content
+    assert isinstance(model.backend, CudaBackend)
     print(f"demo model on {model.backend.gpu.name}: {finished.timings.decode_tokens_per_second:.0f} tok/s decode")

@@ -12,6 +12,9 @@ GPU (`pytest -m gpu`).
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -68,11 +71,11 @@ class CopyCounter:
         self.sizes: list[int] = []
         copy = inputs._copy
 
-        def counted(turn, start, stop, stream):
+        def counted(turn: int, start: int, stop: int, stream: Any) -> None:
             self.sizes.append(stop - start)
             copy(turn, start, stop, stream)
 
-        inputs._copy = counted
+        inputs._copy = counted  # type: ignore[method-assign]  # a spy on this one object
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)
@@ -118,11 +121,14 @@ def test_staged_rows_and_changed_page_table_rows_land_on_the_device(where) -> No
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)
-def test_decode_stages_each_rows_inputs_and_pages(tiny_model_path, where) -> None:
+def test_decode_stages_each_rows_inputs_and_pages(
+    tiny_model_path: Path, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     backend = CudaBackend(ModelFile(tiny_model_path), context=256, sequences=3, page_tokens=128)
     runs: list[tuple[int, bool]] = []
     stage = backend.stages[0]
-    stage.run_decode = lambda bucket, prompt: runs.append((bucket, prompt))  # the inputs only: kernels have own tests
+    # the inputs only: kernels have their own tests
+    monkeypatch.setattr(stage, "run_decode", lambda bucket, prompt: runs.append((bucket, prompt)))
     first, second = backend.new_sequence(), backend.new_sequence()
     backend.decode([first, second], [72, 33])
     stage.stream.synchronize()
@@ -256,11 +262,14 @@ def test_unread_choices_keep_their_ids_while_later_ones_are_made(where) -> None:
 
 
 @pytest.mark.parametrize("where", ON_DEVICE)
-def test_a_chosen_token_feeds_the_next_step_on_the_device(tiny_model_path, where) -> None:
+def test_a_chosen_token_feeds_the_next_step_on_the_device(
+    tiny_model_path: Path, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     backend = CudaBackend(ModelFile(tiny_model_path), context=256, page_tokens=128)
     stage = backend.stages[0]
     runs: list[tuple[int, bool]] = []
-    stage.run_decode = lambda bucket, prompt: runs.append((bucket, prompt))  # the inputs only: kernels have own tests
+    # the inputs only: kernels have their own tests
+    monkeypatch.setattr(stage, "run_decode", lambda bucket, prompt: runs.append((bucket, prompt)))
     sequence = backend.new_sequence()
     logits = backend.decode([sequence], [5])
     logits.device.copy_to_device(np.eye(1, backend.config.vocab_size, 77, dtype=np.float32))

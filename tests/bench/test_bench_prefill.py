@@ -92,5 +92,6 @@ def test_report_compares_with_llama_cpp_and_lists_the_published_cmp_figures() ->
         2000.0,
         0.0375,
     )
-    assert first["cmp_projection_tok_s"] == round(runs[0].cmp_projection(RATES), 1)
+    projection = runs[0].cmp_projection(RATES)
+    assert projection is not None and first["cmp_projection_tok_s"] == round(projection, 1)
     assert payload["runs"][1]["llama_cpp_tok_s"] is None and payload["runs"][1]["families"] == []

@@ -109,12 +109,18 @@ def test_the_tensor_core_probe_runs_only_with_the_flag(monkeypatch: pytest.Monke
     from cmpchat.kernels import tensor_core_probe
 
     real_rate = tensor_core_probe.mma_rate
-    calls = []
-    monkeypatch.setattr(tensor_core_probe, "mma_rate", lambda *args: calls.append(args) or real_rate(*args))
+    calls: list[tuple[float, int]] = []
+
+    def counted_rate(seconds_per_launch: float, repeats: int) -> float:
+        calls.append((seconds_per_launch, repeats))
+        return real_rate(seconds_per_launch, repeats)
+
+    monkeypatch.setattr(tensor_core_probe, "mma_rate", counted_rate)
     without = measure_gpu(0, [0], sizes=QUICK)
     assert calls == [] and without.tensor_core_flops_per_s is None
     with_flag = measure_gpu(0, [0], tensor_cores=True, sizes=QUICK)
-    assert len(calls) == 1 and with_flag.tensor_core_flops_per_s > 1e12
+    assert len(calls) == 1 and with_flag.tensor_core_flops_per_s is not None
+    assert with_flag.tensor_core_flops_per_s > 1e12
 
 
 def test_an_h200_is_judged_throttled_nowhere():

@@ -5,6 +5,7 @@ lowest healthy ratio it names."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -99,7 +100,9 @@ def test_a_throttled_engine_path_is_named_with_its_cost():
     assert throttled_paths(findings, 0) == {HFMA2, HOST_LINK}
     assert "1/64 of FP32 FMA" in finding(findings, HFMA2).text
     assert "FP16 FMA (HFMA2) (no effect on cmpchat, which computes in fp32)" in finding(findings, "summary").text
-    slow_dp4a = dataclasses.replace(cmp_100_210(), dp4a_ops_per_s=cmp_100_210().ffma_flops_per_s / 4)
+    ffma = cmp_100_210().ffma_flops_per_s
+    assert ffma is not None
+    slow_dp4a = dataclasses.replace(cmp_100_210(), dp4a_ops_per_s=ffma / 4)
     assert "DP4A (prompt processing is slower)" in finding(judge([slow_dp4a]), "summary").text
     # the tensor cores are judged against the (throttled) HFMA2 they would replace: 5.5 T is 35× that
     assert finding(findings, TENSOR_CORES).throttled is False
@@ -148,9 +151,8 @@ def test_p2p_is_reported_per_pair_when_pairs_differ():
 
 
 def test_nothing_measured_judges_nothing():
-    bare = dataclasses.replace(
-        h200(), **{f.name: None for f in dataclasses.fields(h200()) if f.name.endswith("_per_s")}
-    )
+    unmeasured: dict[str, Any] = {f.name: None for f in dataclasses.fields(h200()) if f.name.endswith("_per_s")}
+    bare = dataclasses.replace(h200(), **unmeasured)
     findings = judge([bare])
     assert all(f.throttled is None for f in findings if f.path != "summary")
     assert all("not measured" in f.text for f in findings if f.path not in ("summary", P2P))

@@ -189,7 +189,7 @@ def test_cancelling_frees_slots_and_sequences(tiny_model_path: Path) -> None:
     engine.run_until_idle()
     assert collector.finished(0).reason == "cancelled" and collector.finished(0).content.startswith("abc")
     assert collector.finished(1).reason == "cancelled" and not any(isinstance(e, Started) for e in collector.events[1])
-    assert backend.live_sequences == 0 and backend.pool.free_pages == backend.pool.total_pages
+    assert backend.held_sequences == 0 and backend.pool.free_pages == backend.pool.total_pages
     assert engine.stats.finished["cancelled"] == 2
 
 

@@ -3,7 +3,9 @@ without reading the reused part again; a chat's next turn reads only what is new
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,11 +15,11 @@ from cmpchat.engine.engine import Engine
 from cmpchat.engine.events import Finished
 from cmpchat.engine.prefix_cache import PrefixCache
 from cmpchat.engine.reply import GenerationOptions
-from cmpchat.engine.request import GenerationRequest, Started
+from cmpchat.engine.request import EngineEvent, GenerationRequest, Started
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.tokenizer import Tokenizer
 from tests.recording_backend import Recorder
-from tests.scripted_backend import ScriptedBackend
+from tests.scripted_backend import ScriptedBackend, ScriptedSequence
 
 OPTIONS = GenerationOptions(max_tokens=12)
 
@@ -34,7 +36,7 @@ def scripted(tiny_model_path: Path) -> ScriptedBackend:
     return ScriptedBackend(open_model(tiny_model_path).config, Tokenizer.from_metadata(model_file.metadata))
 
 
-def saved(backend: ScriptedBackend, tokens: list[int]):
+def saved(backend: ScriptedBackend, tokens: list[int]) -> ScriptedSequence:
     sequence = backend.new_sequence()
     backend.prefill(sequence, tokens)
     return sequence
@@ -48,8 +50,10 @@ def test_lookup_finds_the_longest_saved_prefix(scripted: ScriptedBackend) -> Non
     hit = cache.lookup([1, 2, 3, 4, 5, 6])
     assert hit is not None and hit.length == 5 and hit.sequence.tokens == [1, 2, 3, 4, 5]
     scripted.decode([hit.sequence], [6])  # the hit is a fork: the saved state stays as it was
-    assert cache.lookup([1, 2, 3, 4, 5, 7]).sequence.tokens == [1, 2, 3, 4, 5]
-    assert cache.lookup([1, 2, 3, 4, 5]).length == 3  # at least one token is always left to prefill
+    other = cache.lookup([1, 2, 3, 4, 5, 7])
+    assert other is not None and other.sequence.tokens == [1, 2, 3, 4, 5]
+    whole = cache.lookup([1, 2, 3, 4, 5])
+    assert whole is not None and whole.length == 3  # at least one token is always left to prefill
     assert cache.lookup([1, 2, 4]) is None and cache.lookup([2, 3, 4, 5]) is None
 
 
@@ -66,38 +70,50 @@ def test_least_recently_used_states_are_evicted_and_released(scripted: ScriptedB
     assert len(cache) == 2
     assert cache.contains([1, 0]) and cache.contains([3, 0]) and not cache.contains([2, 0])
     cache.clear()
-    assert scripted.live_sequences == 0 and scripted.pool.free_pages == scripted.pool.total_pages
+    assert scripted.held_sequences == 0 and scripted.pool.free_pages == scripted.pool.total_pages
 
 
 def test_a_zero_capacity_cache_keeps_nothing(scripted: ScriptedBackend) -> None:
     cache = PrefixCache(scripted, capacity=0)
     cache.keep([1, 2], saved(scripted, [1, 2]))
-    assert len(cache) == 0 and cache.lookup([1, 2, 3]) is None and scripted.live_sequences == 0
+    assert len(cache) == 0 and cache.lookup([1, 2, 3]) is None and scripted.held_sequences == 0
 
 
-def generate(engine: Engine, prompt, cache_points=()) -> tuple[Started, Finished]:
-    events: list = []
+def generate(engine: Engine[Any], prompt: Sequence[int], cache_points: Sequence[int] = ()) -> tuple[Started, Finished]:
+    events: list[EngineEvent] = []
     engine.submit(GenerationRequest(tuple(prompt), OPTIONS, cache_points=tuple(cache_points)), events.extend)
     engine.run_until_idle()
-    return events[0], events[-1]
+    started, finished = events[0], events[-1]
+    assert isinstance(started, Started) and isinstance(finished, Finished)
+    return started, finished
 
 
-def fresh(model: Model, prompt) -> Finished:
+def fresh(model: Model, prompt: Sequence[int]) -> Finished:
     return generate(Engine(model.backend, model.tokenizer, slots=1, cache_states=0), prompt)[1]
+
+
+def first_started(events: Sequence[EngineEvent]) -> Started:
+    assert isinstance(events[0], Started)
+    return events[0]
+
+
+def last_finished(events: Sequence[EngineEvent]) -> Finished:
+    assert isinstance(events[-1], Finished)
+    return events[-1]
 
 
 def test_a_chat_turn_reads_only_what_is_new_in_it(tiny: Model) -> None:
     backend = Recorder(tiny.backend)
     model = Model(tiny.model_file, backend, slots=1)
     first_turn = [Message("user", "Hello, how are you?")]
-    first = list(model.chat(first_turn, OPTIONS))[-1]
+    first = last_finished(list(model.chat(first_turn, OPTIONS)))
     second_turn = [*first_turn, Message("assistant", first.content), Message("user", "Tell me more.")]
     request = model.chat_request(second_turn, OPTIONS)
     (point,) = model.next_turn_point(first_turn, model.chat_request(first_turn).prompt)
     assert request.prompt[:point] == model.chat_request(first_turn).prompt[:point]
 
     before = backend.prefilled_tokens
-    second = list(model.chat(second_turn, OPTIONS))[-1]
+    second = last_finished(list(model.chat(second_turn, OPTIONS)))
     assert backend.prefilled_tokens - before == len(request.prompt) - point == second.timings.prompt_tokens
     assert (second.content, second.reason) == (fresh(tiny, request.prompt).content, fresh(tiny, request.prompt).reason)
 
@@ -138,13 +154,13 @@ def test_concurrent_requests_sharing_a_prefix_all_match_fresh_runs(tiny: Model) 
     ]
     requests = [tiny.chat_request(c, OPTIONS) for c in conversations]
     engine = Engine(tiny.backend, tiny.tokenizer, slots=3, prefill_chunk=16, cache_states=8)
-    results: dict[int, list] = {}
+    results: dict[int, list[EngineEvent]] = {}
     for i, request in enumerate(requests):
         results[i] = []
         engine.submit(request, results[i].extend)
     engine.run_until_idle()
-    assert sum(events[0].cached_tokens for events in results.values()) > 0
+    assert sum(first_started(events).cached_tokens for events in results.values()) > 0
     for i, request in enumerate(requests):
-        assert results[i][-1].content == fresh(tiny, request.prompt).content
+        assert last_finished(results[i]).content == fresh(tiny, request.prompt).content
     engine.prefix_cache.clear()
     assert tiny.backend.held_sequences == 0

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from typing import cast
+
 import pytest
 
-from cmpchat import Finished, Timings
+from cmpchat import Finished, Model, Timings
+from cmpchat.engine.reply import GenerationOptions
 from cmpchat.errors import CmpchatError
 from cmpchat.evaluation import passkey, spec
 from cmpchat.evaluation.needle import lengths_up_to, needle_grid
@@ -75,7 +79,7 @@ class Recaller:
     def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
         return encode(text)
 
-    def generate(self, prompt, options):
+    def generate(self, prompt: Sequence[int], options: GenerationOptions) -> Iterator[Finished]:
         text = "".join(map(chr, prompt))
         at = text.index("The pass key is ")
         key = text[at + 16 : at + 16 + passkey.KEY_DIGITS]
@@ -84,10 +88,11 @@ class Recaller:
 
 
 def test_the_grid_counts_each_cell_and_finds_the_longest_reliable_length():
-    grid = needle_grid(Recaller(), [500, 1000], [0.1, 0.3, 0.8], trials=4)
+    recaller = cast(Model, Recaller())  # needle_grid uses only `tokenize` and `generate`
+    grid = needle_grid(recaller, [500, 1000], [0.1, 0.3, 0.8], trials=4)
     assert grid.accuracy == [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
     assert grid.longest_at(0.9) is None
-    grid = needle_grid(Recaller(), [500, 1000], [0.2], trials=3)
+    grid = needle_grid(recaller, [500, 1000], [0.2], trials=3)
     assert grid.longest_at(0.9) == 1000 and grid.trials == 3
 
 

@@ -6,6 +6,7 @@ with contexts of 1, 1000 and 32768 tokens in one batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from numba import cuda
 
 from cmpchat.backends.reference.attention import GatedAttention, PagedKv
-from cmpchat.backends.reference.layers import apply_rope, rms_norm, rope_angles
+from cmpchat.backends.reference.layers import Linear, apply_rope, rms_norm, rope_angles
 from cmpchat.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
 from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
 from cmpchat.model.config import LayerKind, ModelConfig
@@ -21,7 +22,9 @@ from cmpchat.model.config import LayerKind, ModelConfig
 EPS = 1e-6
 
 
-def attention_config(num_heads, num_kv_heads, head_dim, rope_dims, sections) -> ModelConfig:
+def attention_config(
+    num_heads: int, num_kv_heads: int, head_dim: int, rope_dims: int, sections: tuple[int, int, int, int]
+) -> ModelConfig:
     """A ModelConfig with just the attention sizes that matter here."""
     return ModelConfig(
         name="attention-test",
@@ -45,6 +48,16 @@ def attention_config(num_heads, num_kv_heads, head_dim, rope_dims, sections) -> 
         k_head_dim=32,
         v_head_dim=32,
     )
+
+
+class Projection(Linear):
+    """Stands in for a weight matrix of the reference layer: its output is `function` of the input."""
+
+    def __init__(self, function: Callable[[np.ndarray], np.ndarray]) -> None:  # no weights to load
+        self.function = function
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.function(x)
 
 
 @dataclass
@@ -95,19 +108,20 @@ class DecodeCase:
         layer = object.__new__(GatedAttention)  # its projections replaced by this row's fused output
         layer.config, layer.q_norm, layer.k_norm = cfg, self.q_norm, self.k_norm
         x = self.qkv[row : row + 1]
-        layer.q = lambda _: x[:, : 2 * heads * hd]
-        layer.k = lambda _: x[:, 2 * heads * hd : (2 * heads + cfg.num_kv_heads) * hd]
-        layer.v = lambda _: x[:, (2 * heads + cfg.num_kv_heads) * hd :]
-        layer.out = lambda attended: attended
+        layer.q = Projection(lambda _: x[:, : 2 * heads * hd])
+        layer.k = Projection(lambda _: x[:, 2 * heads * hd : (2 * heads + cfg.num_kv_heads) * hd])
+        layer.v = Projection(lambda _: x[:, (2 * heads + cfg.num_kv_heads) * hd :])
+        layer.out = Projection(lambda attended: attended)
         keys, values = self.caches[row]
         past = keys.shape[0]
         kv = PagedKv(cfg, past + 1, np.float16)  # the row's history in one page of the reference's own store
         kv.write(0, [0], 0, keys, values)
+        assert self.thw is not None  # filled in by __post_init__
         out = layer(np.zeros((1, 1), np.float32), kv, 0, [0], past, self.thw[row : row + 1].astype(np.int64))
         return out[0], kv.read(0, [0], past + 1)
 
 
-def run_step(case: DecodeCase, attention: DecodeAttentionConfig):
+def run_step(case: DecodeCase, attention: DecodeAttentionConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Launch the three kernels of one step; output [B, H*hd] and the two caches."""
     cfg, batch = case.config, len(case.history)
     tables = rope_tables(cfg.rope_dims, cfg.rope_theta, cfg.rope_sections)
@@ -118,8 +132,9 @@ def run_step(case: DecodeCase, attention: DecodeAttentionConfig):
     partials = cuda.device_array(acc_shape, np.float32), cuda.device_array(ml_shape, np.float32)
     out = cuda.to_device(np.full((batch, cfg.num_heads * cfg.head_dim), np.nan, np.float32))
     rope_inputs = (case.q_norm, case.k_norm, tables.inv_freq, tables.freq_axis)
+    q_norm, k_norm, inv_freq, freq_axis = (cuda.to_device(a) for a in rope_inputs)
     rope = qk_norm_rope_launch(
-        qkv, positions, page_table, *(cuda.to_device(a) for a in rope_inputs), EPS, q, k_cache, v_cache
+        qkv, positions, page_table, q_norm, k_norm, inv_freq, freq_axis, EPS, q, k_cache, v_cache
     )
     attend = decode_attention(q, qkv, positions, page_table, k_cache, v_cache, *partials, out, attention)
     for launch in (rope, *attend):
@@ -153,17 +168,17 @@ TINY = attention_config(4, 2, 32, 16, (3, 3, 2, 0))
 SMALL_TILES = DecodeAttentionConfig(num_splits=4, min_split_tokens=16, warps=2, unroll=1)  # 16-token tiles
 
 
-def test_batch_of_different_lengths_with_several_splits():
+def test_batch_of_different_lengths_with_several_splits() -> None:
     # Lengths 1, 38, 151: one split, three, four with a partial last tile; t != h != w for row 1.
     thw = np.array([[0, 0, 0], [40, 12, 29], [150, 150, 150]])
     check_step(DecodeCase(TINY, [0, 37, 150], page_tokens=16, thw=thw), SMALL_TILES)
 
 
-def test_inactive_rows_are_skipped():
+def test_inactive_rows_are_skipped() -> None:
     check_step(DecodeCase(TINY, [20, -1, 5], page_tokens=16, seed=1), SMALL_TILES)
 
 
-def test_very_negative_scores_keep_full_precision():
+def test_very_negative_scores_keep_full_precision() -> None:
     # All scores near -100 or below (exp underflows past -87): the softmax must subtract the real maximum,
     # never the 0 score of a padding slot in the partial last tile.
     case = DecodeCase(TINY, [37], page_tokens=16, seed=6)
@@ -172,6 +187,7 @@ def test_very_negative_scores_keep_full_precision():
     query = case.qkv[0, : 2 * heads * hd].reshape(heads, 2 * hd)[:, :hd]
     query[1::2] = query[::2]  # both heads of a group alike
     case.qkv[0, 2 * heads * hd : (2 * heads + 2) * hd] = -query[::2].ravel()  # new key opposes the query
+    assert case.thw is not None
     angles = rope_angles(case.thw[:1], TINY.rope_dims, TINY.rope_theta, TINY.rope_sections)
     rotated = apply_rope(rms_norm(query[None, ::2], case.q_norm, EPS), angles)[0]  # [Hkv, hd]
     direction = rotated / np.linalg.norm(rotated, axis=-1, keepdims=True)
@@ -183,21 +199,21 @@ def test_very_negative_scores_keep_full_precision():
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-def test_default_tiling_one_page_per_row(splits):
+def test_default_tiling_one_page_per_row(splits: int) -> None:
     # warps=4, unroll=4: 128-token tiles; one page per row is the plain per-slot cache layout.
     check_step(DecodeCase(TINY, [140, 3], page_tokens=256, seed=2), DecodeAttentionConfig(splits, 128))
 
 
-def test_real_head_size():
+def test_real_head_size() -> None:
     cfg = attention_config(2, 1, 256, 64, (11, 11, 10, 0))
     check_step(DecodeCase(cfg, [17, 3], page_tokens=8, seed=3), DecodeAttentionConfig(3, 8, warps=1, unroll=2))
 
 
-def test_launcher_rejects_bad_arguments():
+def test_launcher_rejects_bad_arguments() -> None:
     case = DecodeCase(TINY, [5], page_tokens=8)
     q = np.zeros((1, 4, 32), np.float32)
     acc_shape, ml_shape = partial_buffer_shapes(1, 4, 32, SMALL_TILES)
-    args = [
+    args = (
         q,
         case.qkv,
         case.positions,
@@ -207,7 +223,7 @@ def test_launcher_rejects_bad_arguments():
         np.zeros(acc_shape, np.float32),
         np.zeros(ml_shape, np.float32),
         np.zeros((1, 128), np.float32),
-    ]
+    )
     with pytest.raises(ValueError, match="multiple of the 16-token attention tile"):
         decode_attention(*args, SMALL_TILES)
     with pytest.raises(ValueError, match="partial_acc must have shape"):
@@ -218,7 +234,7 @@ def test_launcher_rejects_bad_arguments():
         DecodeAttentionConfig(0)
 
 
-def test_splits_fill_the_gpu():
+def test_splits_fill_the_gpu() -> None:
     assert DecodeAttentionConfig.splits_for(1, 16, 4, 68).num_splits == 68  # 4 blocks per SM at G=4
     assert DecodeAttentionConfig.splits_for(1, 24, 4, 132).num_splits == 66  # 2 at G=6
     assert DecodeAttentionConfig.splits_for(16, 16, 4, 132, blocks_per_sm=8).num_splits == 17
@@ -227,7 +243,7 @@ def test_splits_fill_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [16, 24], ids=["9B", "27B"])
-def test_contexts_1_1000_32768_on_gpu(num_heads):
+def test_contexts_1_1000_32768_on_gpu(num_heads: int) -> None:
     cfg = attention_config(num_heads, 4, 256, 64, (11, 11, 10, 0))
     thw = np.array([[0, 0, 0], [1200, 37, 55], [32767, 32767, 32767]])  # row 1 is an image token
     case = DecodeCase(cfg, [0, 999, 32767], page_tokens=256, seed=4, thw=thw)
@@ -236,7 +252,7 @@ def test_contexts_1_1000_32768_on_gpu(num_heads):
 
 
 @pytest.mark.gpu
-def test_full_batch_per_slot_layout_on_gpu():
+def test_full_batch_per_slot_layout_on_gpu() -> None:
     # 16 rows of random lengths, each row one slot of a contiguous [16, 4096, Hkv, hd] cache.
     cfg = attention_config(24, 4, 256, 64, (11, 11, 10, 0))
     history = list(np.random.default_rng(5).integers(0, 4095, 16))
@@ -246,7 +262,7 @@ def test_full_batch_per_slot_layout_on_gpu():
 
 
 @pytest.mark.gpu
-def test_benchmark_reports_bandwidth():
+def test_benchmark_reports_bandwidth() -> None:
     from cmpchat.bench.kernels.attention import benchmark_decode_attention
 
     result = benchmark_decode_attention(batch=1, num_heads=16, num_kv_heads=4, context=32768, repeats=5)

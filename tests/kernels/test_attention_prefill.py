@@ -105,23 +105,26 @@ def reference_attention(q, qkv, positions, page_table, k_pool, v_pool) -> np.nda
 
 
 def run_prefill(case: PrefillCase, config: PrefillAttentionConfig) -> np.ndarray:
-    inputs = [cuda.to_device(a) for a in (case.q, case.qkv, case.positions, case.page_table)]
+    q, qkv, positions, page_table = (cuda.to_device(a) for a in (case.q, case.qkv, case.positions, case.page_table))
     caches = cuda.to_device(case.k_pool), cuda.to_device(case.v_pool)
     acc_shape, ml_shape = partial_buffer_shapes(case.rows, case.num_heads, case.head_dim, config)
-    partials = [cuda.to_device(np.full(s, np.nan, np.float32)) for s in (acc_shape, ml_shape)]
+    partials = (
+        cuda.to_device(np.full(acc_shape, np.nan, np.float32)),
+        cuda.to_device(np.full(ml_shape, np.nan, np.float32)),
+    )
     out = cuda.to_device(np.full((case.rows, case.num_heads * case.head_dim), np.nan, np.float32))
-    for launch in prefill_attention(*inputs, *caches, *partials, out, config):
+    for launch in prefill_attention(q, qkv, positions, page_table, *caches, *partials, out, config):
         launch.run()
     return out.copy_to_host()
 
 
 def run_decode(case: PrefillCase, config: DecodeAttentionConfig) -> np.ndarray:
-    inputs = [cuda.to_device(a) for a in (case.q, case.qkv, case.positions, case.page_table)]
+    q, qkv, positions, page_table = (cuda.to_device(a) for a in (case.q, case.qkv, case.positions, case.page_table))
     caches = cuda.to_device(case.k_pool), cuda.to_device(case.v_pool)
     acc_shape, ml_shape = decode_buffer_shapes(case.rows, case.num_heads, case.head_dim, config)
-    partials = [cuda.device_array(s, np.float32) for s in (acc_shape, ml_shape)]
+    partials = cuda.device_array(acc_shape, np.float32), cuda.device_array(ml_shape, np.float32)
     out = cuda.device_array((case.rows, case.num_heads * case.head_dim), np.float32)
-    for launch in decode_attention(*inputs, *caches, *partials, out, config):
+    for launch in decode_attention(q, qkv, positions, page_table, *caches, *partials, out, config):
         launch.run()
     return out.copy_to_host()
 
@@ -191,12 +194,16 @@ def test_launcher_rejects_bad_arguments():
     args = [case.q, case.qkv, case.positions, case.page_table, case.k_pool, case.v_pool,
             np.zeros(acc_shape, np.float32), np.zeros(ml_shape, np.float32), np.zeros((4, 128), np.float32)]  # fmt: skip
 
-    def rejects(message: str, index: int | None = None, value=None, cfg=config) -> None:
+    def rejects(
+        message: str, index: int | None = None, value: np.ndarray | None = None, cfg: PrefillAttentionConfig = config
+    ) -> None:
         changed = list(args)
         if index is not None:
+            assert value is not None
             changed[index] = value
+        q, qkv, positions, page_table, k_cache, v_cache, acc, ml, out = changed
         with pytest.raises(ValueError, match=message):
-            prefill_attention(*changed, cfg)
+            prefill_attention(q, qkv, positions, page_table, k_cache, v_cache, acc, ml, out, cfg)
 
     rejects("q must be a 3-D float32", 0, case.q.astype(np.float64))
     rejects("positions must have shape", 2, case.positions[:, :3].copy())

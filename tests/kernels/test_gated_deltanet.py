@@ -6,6 +6,7 @@ consecutive steps so the carried conv and recurrent states are checked too, with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 from numba import cuda
 
 from cmpchat.backends.reference.gated_deltanet import GatedDeltaNet, RecurrentState
+from cmpchat.backends.reference.layers import Linear
 from cmpchat.bench.kernels.gdn_step import benchmark_decode_step
 from cmpchat.cudart.graph import LaunchGraph
 from cmpchat.kernels.gated_deltanet import (
@@ -34,6 +36,16 @@ def gdn_config(
         head_dim=32, rope_dims=16, rope_theta=1e7, rope_sections=(0, 0, 0, 0), conv_kernel=4,
         num_k_heads=num_k_heads, num_v_heads=num_v_heads, k_head_dim=k_head_dim, v_head_dim=v_head_dim,
     )  # fmt: skip
+
+
+class Projection(Linear):
+    """Stands in for a weight matrix of the reference layer: its output is `function` of the input."""
+
+    def __init__(self, function: Callable[[np.ndarray], np.ndarray]) -> None:  # no weights to load
+        self.function = function
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.function(x)
 
 
 @dataclass
@@ -68,11 +80,11 @@ class Layer:
         z0 = shape.conv_dim
         b0 = z0 + shape.output_width
         a0 = b0 + shape.num_v_heads
-        reference.qkv = lambda p: p[:, :z0]
-        reference.gate = lambda p: p[:, z0:b0]
-        reference.beta = lambda p: p[:, b0:a0]
-        reference.alpha = lambda p: p[:, a0:]
-        reference.out = lambda y: y
+        reference.qkv = Projection(lambda p: p[:, :z0])
+        reference.gate = Projection(lambda p: p[:, z0:b0])
+        reference.beta = Projection(lambda p: p[:, b0:a0])
+        reference.alpha = Projection(lambda p: p[:, a0:])
+        reference.out = Projection(lambda y: y)
         reference.conv_weight, reference.a, reference.dt_bias = conv_weight, ssm_a, dt_bias
         reference.norm_weight = norm_weight
         device = [cuda.to_device(np.ascontiguousarray(t)) for t in (conv_weight, ssm_a, dt_bias, norm_weight)]
@@ -190,7 +202,7 @@ def test_a_prompt_chunk_in_one_launch_pair_equals_its_tokens_one_step_each():
     projection = rng.standard_normal((4, shape.projection_width)).astype(np.float32)
     slots = np.array([1, 1, 1, -1], np.int32)
 
-    stepped = [cuda.to_device(conv), cuda.to_device(delta)]
+    stepped = cuda.to_device(conv), cuda.to_device(delta)
     expected = np.zeros((4, shape.output_width), np.float32)
     for row in range(3):
         out = cuda.to_device(np.full((1, shape.output_width), np.nan, np.float32))
@@ -199,7 +211,7 @@ def test_a_prompt_chunk_in_one_launch_pair_equals_its_tokens_one_step_each():
             launch.run()
         expected[row] = out.copy_to_host()[0]
 
-    chunked = [cuda.to_device(conv), cuda.to_device(delta)]
+    chunked = cuda.to_device(conv), cuda.to_device(delta)
     out = cuda.to_device(np.full((4, shape.output_width), np.nan, np.float32))
     for launch in decode_step(shape, layer.weights, cuda.to_device(projection), *chunked, cuda.to_device(slots), out,
                               tokens_per_sequence=4):  # fmt: skip

@@ -62,7 +62,8 @@ def test_float_weights_at_a_real_shape(kind: str, tokens: int) -> None:
     rng = np.random.default_rng(9)
     rows, cols = 4096, 4096
     values = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
-    weight = {"f32": values, "f16": values.astype(np.float16), "bf16": bf16_bits(values)}[kind]
+    weights: dict[str, np.ndarray] = {"f32": values, "f16": values.astype(np.float16), "bf16": bf16_bits(values)}
+    weight = weights[kind]
     exact = (weight.astype(np.uint32) << 16).view(np.float32) if kind == "bf16" else weight.astype(np.float32)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     out = device(np.zeros((tokens, rows), np.float32))

@@ -85,8 +85,10 @@ def test_entry_parameters_give_kind_and_size():
 def test_layout_mismatches_are_named():
     params = [Param("arg0", "q", None), Param("arg1", "i", None), Param("arg2", "f", None)]
     assert layout_mismatch(params, [("u", 8), ("u", 4), ("f", 4)]) is None
-    assert "parameter 2 (arg2)" in layout_mismatch(params, [("u", 8), ("u", 4), ("u", 4)])
-    assert "packs 3 parameters" in layout_mismatch(params, [("u", 8), ("u", 4)])
+    wrong_kind = layout_mismatch(params, [("u", 8), ("u", 4), ("u", 4)])
+    assert wrong_kind is not None and "parameter 2 (arg2)" in wrong_kind
+    too_few = layout_mismatch(params, [("u", 8), ("u", 4)])
+    assert too_few is not None and "packs 3 parameters" in too_few
 
 
 EARLY_PTX = """

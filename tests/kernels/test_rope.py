@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from numba import cuda
+from numpy.typing import ArrayLike
 
 from cmpchat.backends.reference.layers import apply_rope, rms_norm, rope_angles
 from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
@@ -31,7 +32,16 @@ class RopeCase:
     cache_shape: tuple[int, ...]
 
 
-def make_case(num_heads, num_kv_heads, head_dim, rope_dims, sections, positions, page_tokens, seed=0) -> RopeCase:
+def make_case(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope_dims: int,
+    sections: tuple[int, ...],
+    positions: ArrayLike,
+    page_tokens: int,
+    seed: int = 0,
+) -> RopeCase:
     rng = np.random.default_rng(seed)
     positions = np.asarray(positions, dtype=np.int32)
     batch = positions.shape[0]
@@ -59,22 +69,23 @@ def make_case(num_heads, num_kv_heads, head_dim, rope_dims, sections, positions,
     )
 
 
-def run_case(case: RopeCase):
+def run_case(case: RopeCase) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """q, K cache, V cache after one launch; the caches start as NaN so untouched slots show."""
     tables = rope_tables(case.rope_dims, THETA, case.sections)
     batch = case.qkv.shape[0]
     q = cuda.to_device(np.full((batch, case.num_heads, case.head_dim), np.nan, np.float32))
     k_cache = cuda.to_device(np.full(case.cache_shape, np.nan, np.float16))
     v_cache = cuda.to_device(np.full(case.cache_shape, np.nan, np.float16))
-    device = [cuda.to_device(a) for a in (case.qkv, case.positions, case.page_table, case.q_norm, case.k_norm)]
+    host = (case.qkv, case.positions, case.page_table, case.q_norm, case.k_norm, tables.inv_freq, tables.freq_axis)
+    qkv, positions, page_table, q_norm, k_norm, inv_freq, freq_axis = (cuda.to_device(a) for a in host)
     launch = qk_norm_rope_launch(
-        *device, cuda.to_device(tables.inv_freq), cuda.to_device(tables.freq_axis), EPS, q, k_cache, v_cache
+        qkv, positions, page_table, q_norm, k_norm, inv_freq, freq_axis, EPS, q, k_cache, v_cache
     )
     launch.run()
     return q.copy_to_host(), k_cache.copy_to_host(), v_cache.copy_to_host()
 
 
-def reference_row(case: RopeCase, row: int):
+def reference_row(case: RopeCase, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Normed, rotated q [H, hd] and k [Hkv, hd], and v [Hkv, hd], as GatedAttention computes them."""
     h, hkv, hd = case.num_heads, case.num_kv_heads, case.head_dim
     x = case.qkv[row]
@@ -95,7 +106,9 @@ def assert_fp16_close(actual: np.ndarray, expected_fp32: np.ndarray) -> None:
     assert np.mean(ulps == 0) > 0.99
 
 
-def check_against_reference(case: RopeCase, q, k_cache, v_cache, q_tol: float) -> None:
+def check_against_reference(
+    case: RopeCase, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_tol: float
+) -> None:
     page_tokens = case.cache_shape[1]
     written = np.zeros(case.cache_shape[:3], dtype=bool)
     for row, (cache_index, *_) in enumerate(case.positions):
@@ -111,7 +124,7 @@ def check_against_reference(case: RopeCase, q, k_cache, v_cache, q_tol: float) -
     assert np.isnan(k_cache[~written]).all() and np.isnan(v_cache[~written]).all(), "wrote outside the new slots"
 
 
-def test_rope_tables_give_the_reference_angles():
+def test_rope_tables_give_the_reference_angles() -> None:
     sections = (11, 11, 10, 0)
     tables = rope_tables(64, THETA, sections)
     positions = np.array([[0, 0, 0], [7, 3, 5], [262143, 17, 250000], [99, 99, 99]])
@@ -121,7 +134,7 @@ def test_rope_tables_give_the_reference_angles():
     assert list(tables.freq_axis[:9]) == [0, 1, 2] * 3 and list(tables.freq_axis[29:]) == [2, 0, 1]
 
 
-def test_tiny_batch_with_multimodal_positions_and_an_inactive_row():
+def test_tiny_batch_with_multimodal_positions_and_an_inactive_row() -> None:
     positions = [
         [0, 0, 0, 0],  # first token
         [37, 40, 12, 29],  # an image token: t, h, w all different, none equal to the cache index
@@ -132,17 +145,17 @@ def test_tiny_batch_with_multimodal_positions_and_an_inactive_row():
     check_against_reference(case, *run_case(case), q_tol=1e-5)
 
 
-def test_rope_on_part_of_a_real_size_head():
+def test_rope_on_part_of_a_real_size_head() -> None:
     case = make_case(2, 1, 256, 64, (11, 11, 10, 0), [[5, 9, 3, 7], [300, 300, 300, 300]], page_tokens=64, seed=1)
     check_against_reference(case, *run_case(case), q_tol=1e-5)
 
 
-def test_launcher_rejects_bad_arguments():
+def test_launcher_rejects_bad_arguments() -> None:
     case = make_case(4, 2, 32, 16, (3, 3, 2, 0), [[3, 3, 3, 3]], page_tokens=16)
     tables = rope_tables(16, THETA, case.sections)
     q = np.zeros((1, 4, 32), np.float32)
     cache = np.zeros(case.cache_shape, np.float16)
-    args = [case.qkv, case.positions, case.page_table, case.q_norm, case.k_norm, tables.inv_freq, tables.freq_axis]
+    args = (case.qkv, case.positions, case.page_table, case.q_norm, case.k_norm, tables.inv_freq, tables.freq_axis)
     with pytest.raises(ValueError, match="qkv must have shape"):
         qk_norm_rope_launch(case.qkv[:, :-32].copy(), *args[1:], EPS, q, cache, cache)
     with pytest.raises(ValueError, match="k_cache must be a 4-D float16"):
@@ -155,7 +168,7 @@ def test_launcher_rejects_bad_arguments():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads", [16, 24], ids=["9B", "27B"])
-def test_real_head_shapes_on_gpu(num_heads):
+def test_real_head_shapes_on_gpu(num_heads: int) -> None:
     rng = np.random.default_rng(2)
     rows = 16
     cache_index = rng.integers(0, 262144, rows)

@@ -7,9 +7,12 @@ tests repeat it with the kernels themselves at the real vocabulary size."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 from numba import cuda, uint64
+from numpy.typing import ArrayLike
 
 from cmpchat.kernels import sampling
 from cmpchat.kernels.sampling import (
@@ -29,7 +32,7 @@ PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 MASK = np.uint64(0xFFFFFFFF)
 
 
-def philox4x32(counter: list[np.ndarray], key: tuple[int, int]) -> list[np.ndarray]:
+def philox4x32(counter: Sequence[ArrayLike], key: tuple[int, int]) -> list[np.ndarray]:
     """Philox4x32-10 (Salmon et al. 2011) over uint64 arrays holding 32-bit words."""
     c = [np.asarray(word, np.uint64) for word in counter]
     k0, k1 = np.uint64(key[0]), np.uint64(key[1])

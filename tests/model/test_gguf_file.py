@@ -14,10 +14,13 @@ from cmpchat.model.quant import q8_0_quantize
 
 
 def write_gguf(
-    path: Path, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]], arch: str = "qwen35", **fields
+    path: Path,
+    tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType | None]],
+    fields: dict[str, tuple[object, gguf.GGUFValueType]] | None = None,
+    arch: str = "qwen35",
 ) -> Path:
     writer = gguf.GGUFWriter(path, arch)
-    for key, value in fields.items():
+    for key, value in (fields or {}).items():
         writer.add_key_value(key, value[0], value[1])
     for name, (array, raw_type) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw_type)
@@ -45,7 +48,7 @@ def typed_file(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
             "bf16": (bf16_bits, gguf.GGMLQuantizationType.BF16),
             "q8_0": (q8, gguf.GGMLQuantizationType.Q8_0),
         },
-        **{
+        {
             "general.name": ("typed", gguf.GGUFValueType.STRING),
             "test.ints": ([1, 2, 3], gguf.GGUFValueType.ARRAY),
             "test.words": (["a", "ü", ""], gguf.GGUFValueType.ARRAY),

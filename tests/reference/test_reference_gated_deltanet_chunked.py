@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numpy.typing import DTypeLike
 
 from cmpchat.backends.reference.gated_deltanet import RecurrentState
 from cmpchat.backends.reference.gated_deltanet_chunked import (
@@ -22,6 +23,14 @@ from cmpchat.backends.reference.gated_deltanet_chunked import (
 )
 from cmpchat.backends.reference.layers import l2_normalize, rms_norm, sigmoid, silu, softplus
 from tests.kernels.test_gated_deltanet import Layer, gdn_config
+
+Inputs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""q, k, v, g, beta and the state: the arguments of both rules, in order."""
+
+
+def in_dtype(inputs: Inputs, dtype: DTypeLike) -> Inputs:
+    q, k, v, g, beta, state = (np.asarray(x, dtype=dtype) for x in inputs)
+    return q, k, v, g, beta, state
 
 
 def random_inputs(
@@ -35,7 +44,7 @@ def random_inputs(
     log_decay_range: tuple[float, float] = (-6.0, 1.0),
     key_correlation: float = 0.0,
     dtype: type = np.float64,
-) -> tuple[np.ndarray, ...]:
+) -> Inputs:
     """q, k (L2-normalised, q scaled), v, g (= -e^u, u uniform in `log_decay_range`), beta, a nonzero state."""
     q = l2_normalize(rng.standard_normal((steps, num_k_heads, k_dim))) * k_dim**-0.5
     shared = rng.standard_normal((1, num_k_heads, k_dim))
@@ -46,7 +55,7 @@ def random_inputs(
     g = -np.exp(rng.uniform(*log_decay_range, (steps, num_v_heads)))
     beta = sigmoid(2 * rng.standard_normal((steps, num_v_heads)))
     state = 0.3 * rng.standard_normal((num_v_heads, k_dim, v_dim))
-    return tuple(np.asarray(x, dtype=dtype) for x in (q, k, v, g, beta, state))
+    return in_dtype((q, k, v, g, beta, state), dtype)
 
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -56,7 +65,7 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
 
 @pytest.mark.parametrize("steps", [1, 5, 63, 64, 65, 200])
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
-def test_float64_equals_the_recurrence(steps, chunk):
+def test_float64_equals_the_recurrence(steps: int, chunk: int) -> None:
     rng = np.random.default_rng(steps * 100 + chunk)
     inputs = random_inputs(rng, steps)
     expected_out, expected_state = recurrent_gated_delta_rule(*inputs)
@@ -66,7 +75,7 @@ def test_float64_equals_the_recurrence(steps, chunk):
     assert relative_error(state, expected_state) < 1e-10
 
 
-def test_a_chunk_longer_than_the_prompt_and_the_default_chunk():
+def test_a_chunk_longer_than_the_prompt_and_the_default_chunk() -> None:
     inputs = random_inputs(np.random.default_rng(1), 40)
     expected_out, expected_state = recurrent_gated_delta_rule(*inputs)
     for chunk in (64, 1000):
@@ -82,11 +91,13 @@ def test_a_chunk_longer_than_the_prompt_and_the_default_chunk():
     ids=["typical", "slow-decay-correlated-keys", "strong-decay", "mixed"],
 )
 @pytest.mark.parametrize("steps, chunk", [(200, 64), (130, 16)])
-def test_float32_is_as_accurate_as_the_recurrence(log_decay_range, key_correlation, steps, chunk):
+def test_float32_is_as_accurate_as_the_recurrence(
+    log_decay_range: tuple[float, float], key_correlation: float, steps: int, chunk: int
+) -> None:
     rng = np.random.default_rng(7)
     inputs = random_inputs(rng, steps, 2, 4, 128, 128, log_decay_range=log_decay_range, key_correlation=key_correlation)
     true_out, true_state = recurrent_gated_delta_rule(*inputs)
-    single = tuple(x.astype(np.float32) for x in inputs)
+    single = in_dtype(inputs, np.float32)
     with np.errstate(over="raise", invalid="raise", divide="raise"):  # underflow to 0 is fine; overflow is not
         token_out, token_state = recurrent_gated_delta_rule(*single)
         out, state = chunked_gated_delta_rule(*single, chunk=chunk)
@@ -95,7 +106,7 @@ def test_float32_is_as_accurate_as_the_recurrence(log_decay_range, key_correlati
         assert relative_error(got, truth) <= 4 * relative_error(reference, truth) + 1e-7
 
 
-def test_strong_decays_never_overflow_and_cut_the_past():
+def test_strong_decays_never_overflow_and_cut_the_past() -> None:
     """Cumulative log decays of -1e5 per chunk: e^-gamma would overflow any float; the chunked form never
     forms it. A decay that rounds to zero leaves the state exactly as the tokens after it make it."""
     rng = np.random.default_rng(3)
@@ -113,7 +124,7 @@ def test_strong_decays_never_overflow_and_cut_the_past():
     np.testing.assert_allclose(out[-1], np.einsum("hkv,hk->hv", last, mapped_q[-1]), rtol=1e-5, atol=1e-7)
 
 
-def test_a_reset_token_early_in_a_chunk_keeps_the_later_tokens_precise():
+def test_a_reset_token_early_in_a_chunk_keeps_the_later_tokens_precise() -> None:
     """One token with g = -300 then slow decay: a plain fp32 cumsum would leave gamma_i - gamma_j of the later
     tokens with ~2e-5 absolute error (output error ~2.5e-4); the compensated sums keep it at rounding level."""
     rng = np.random.default_rng(2)
@@ -121,12 +132,12 @@ def test_a_reset_token_early_in_a_chunk_keeps_the_later_tokens_precise():
     g[:] = -0.01
     g[0], g[20] = -300.0, -1000.0
     true_out, true_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    single = tuple(x.astype(np.float32) for x in (q, k, v, g, beta, state))
+    single = in_dtype((q, k, v, g, beta, state), np.float32)
     out, final = chunked_gated_delta_rule(*single, chunk=64)
     assert relative_error(out, true_out) < 2e-6 and relative_error(final, true_state) < 2e-6
 
 
-def test_compensated_cumulative_sums():
+def test_compensated_cumulative_sums() -> None:
     g = np.array([[-300.0] + [-0.01] * 9], dtype=np.float32)
     hi, lo = cumulative_log_decay(g)
     exact = np.cumsum(g.astype(np.float64), axis=1)
@@ -135,14 +146,14 @@ def test_compensated_cumulative_sums():
     assert abs(float(gaps) - (-0.08)) < 1e-8
 
 
-def test_unit_lower_inverse():
+def test_unit_lower_inverse() -> None:
     rng = np.random.default_rng(4)
     a = np.tril(rng.standard_normal((3, 9, 9)), -1)
     t = unit_lower_inverse(a)
     np.testing.assert_allclose((np.eye(9) + a) @ t, np.broadcast_to(np.eye(9), (3, 9, 9)), atol=1e-12)
 
 
-def test_value_heads_read_key_head_h_mod_hk():
+def test_value_heads_read_key_head_h_mod_hk() -> None:
     """Each value head equals a one-head run on key head h % Hk (GGUF order, not h // (Hv/Hk))."""
     q, k, v, g, beta, state = random_inputs(np.random.default_rng(5), 70, num_k_heads=2, num_v_heads=6)
     out, final = chunked_gated_delta_rule(q, k, v, g, beta, state, chunk=16)
@@ -156,7 +167,7 @@ def test_value_heads_read_key_head_h_mod_hk():
         assert relative_error(final[one], expected_state) < 1e-10
 
 
-def test_inputs_are_not_modified():
+def test_inputs_are_not_modified() -> None:
     inputs = random_inputs(np.random.default_rng(6), 20)
     copies = [x.copy() for x in inputs]
     chunked_gated_delta_rule(*inputs, chunk=8)
@@ -169,7 +180,7 @@ def test_inputs_are_not_modified():
         value_head_keys(inputs[0], 5)
 
 
-def test_the_recurrence_is_the_reference_layers():
+def test_the_recurrence_is_the_reference_layers() -> None:
     """`recurrent_gated_delta_rule` fed as `GatedDeltaNet.__call__` feeds its loop gives that layer's output:
     the conventions (decay before the read, head mapping, state layout) are the reference layer's."""
     rng = np.random.default_rng(8)

@@ -7,8 +7,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
 from cmpchat.api import Model
 from cmpchat.server.app import create_app
@@ -27,6 +29,18 @@ class LiveServer:
     @property
     def api(self) -> str:
         return self.url + "/v1"
+
+    @property
+    def served(self) -> Model:
+        """`model`, for a test whose server fixture set it."""
+        assert self.model is not None, "this server's fixture did not record its model"
+        return self.model
+
+
+def extra(reply: BaseModel) -> dict[str, Any]:
+    """The fields of an openai client object beyond OpenAI's own (cmpchat's `timings`, `reasoning_content`)."""
+    assert reply.model_extra is not None
+    return reply.model_extra
 
 
 @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.live import LiveServer
+from tests.server.live import LiveServer, extra
 
 
 def test_completion(client: openai.OpenAI) -> None:
@@ -13,7 +13,7 @@ def test_completion(client: openai.OpenAI) -> None:
     assert result.object == "text_completion" and result.id.startswith("cmpl-")
     assert result.choices[0].text == "continued text"
     assert result.choices[0].finish_reason == "stop"
-    assert result.usage.prompt_tokens > 0 and "timings" in result.model_extra
+    assert result.usage is not None and result.usage.prompt_tokens > 0 and "timings" in extra(result)
 
 
 def test_completion_defaults_to_16_tokens(client: openai.OpenAI) -> None:
@@ -30,7 +30,7 @@ def test_streamed_completion(client: openai.OpenAI) -> None:
 
 
 def test_token_id_prompt(client: openai.OpenAI, scripted_server: LiveServer) -> None:
-    ids = scripted_server.model.tokenize("SAY:ids")
+    ids = scripted_server.served.tokenize("SAY:ids")
     assert client.completions.create(model="m", prompt=ids).choices[0].text == "ids"
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from cmpchat.api import open_model
 from cmpchat.chat.messages import Message
+from cmpchat.engine.events import Finished
 from cmpchat.engine.reply import GenerationOptions
 from tests.server.live import LiveServer, metric
 
@@ -25,7 +26,12 @@ def alone_texts(tiny_model_path: Path) -> list[str]:
     """Each reply generated on its own by the single-sequence generator (no server, no batching)."""
     model = open_model(tiny_model_path)
     options = GenerationOptions(max_tokens=MAX_TOKENS)
-    return [list(model.chat([Message("user", question(i))], options))[-1].content for i in range(16)]
+    texts = []
+    for i in range(16):
+        *_, finished = model.chat([Message("user", question(i))], options)
+        assert isinstance(finished, Finished)
+        texts.append(finished.content)
+    return texts
 
 
 def test_sixteen_concurrent_greedy_requests_over_four_slots(tiny_server: LiveServer, alone_texts: list[str]) -> None:

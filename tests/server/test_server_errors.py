@@ -5,6 +5,12 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from openai.types.chat import (
+    ChatCompletionContentPartImageParam,
+    ChatCompletionMessageFunctionToolCallParam,
+    ChatCompletionMessageParam,
+    ChatCompletionToolParam,
+)
 
 from tests.scripted_backend import EXPLODE
 from tests.server.live import LiveServer
@@ -70,7 +76,10 @@ def test_bad_parameters(scripted_server: LiveServer, fields: dict, param: str) -
 
 
 def test_image_part_is_refused_clearly(client: openai.OpenAI) -> None:
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    image: ChatCompletionContentPartImageParam = {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
+    }
     with pytest.raises(openai.BadRequestError, match="no vision projector") as caught:
         client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]
@@ -79,20 +88,30 @@ def test_image_part_is_refused_clearly(client: openai.OpenAI) -> None:
 
 
 def test_template_errors_are_400(client: openai.OpenAI) -> None:
-    messages = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": "late"},
+    ]
     with pytest.raises(openai.BadRequestError, match="system message"):
         client.chat.completions.create(model="m", messages=messages)
 
 
 def test_bad_tool_call_arguments(client: openai.OpenAI) -> None:
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{broken"}}
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]
+    call: ChatCompletionMessageFunctionToolCallParam = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": "{broken"},
+    }
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [call]},
+    ]
     with pytest.raises(openai.BadRequestError, match="not valid JSON"):
         client.chat.completions.create(model="m", messages=messages)
 
 
 def test_unknown_named_tool(client: openai.OpenAI) -> None:
-    tools = [{"type": "function", "function": {"name": "f"}}]
+    tools: list[ChatCompletionToolParam] = [{"type": "function", "function": {"name": "f"}}]
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(
             model="m",
@@ -119,7 +138,7 @@ def test_unknown_route_and_method(scripted_server: LiveServer) -> None:
 
 
 def test_a_failing_backend_gives_500_not_a_dead_server(client: openai.OpenAI) -> None:
-    messages = [{"role": "user", "content": "SAY:" + EXPLODE}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "SAY:" + EXPLODE}]
     with pytest.raises(openai.InternalServerError, match="the device fell off the bus") as caught:
         client.chat.completions.create(model="m", messages=messages)
     assert "Traceback" not in str(caught.value.body)

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from cmpchat.errors import CmpchatError
@@ -59,7 +60,7 @@ def test_api_key(tiny_model_path: Path) -> None:
     model = scripted_model(tiny_model_path)
     with live_server(ServerSettings(port=0, api_key=API_KEY), lambda: model) as server:
         assert httpx.get(server.url + "/health").status_code == 200  # open to supervisors
-        messages = [{"role": "user", "content": "SAY:in"}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "SAY:in"}]
         with pytest.raises(openai.AuthenticationError) as caught:
             client_for(server, "wrong").chat.completions.create(model="m", messages=messages)
         assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
@@ -93,7 +94,7 @@ def test_full_queue_answers_503_and_disconnects_free_slots(tiny_model_path: Path
         assert metric(server.url, "cmpchat_requests_running") == 1
         second.close()
         wait_until(lambda: metric(server.url, "cmpchat_requests_running") == 0)
-        wait_until(lambda: model.backend.live_sequences == len(server_cache(server)))
+        wait_until(lambda: model.backend.held_sequences == len(server_cache(server)))
         assert metric(server.url, 'cmpchat_requests_finished_total{reason="cancelled"}') == 2
 
 

@@ -123,9 +123,11 @@ def test_vocabulary_queries(tokenizer: Tokenizer) -> None:
     assert tokenizer.token_bytes(the) == b" the"
     assert tokenizer.token_to_id(" the") is None
     im_end = tokenizer.token_to_id("<|im_end|>")
+    assert im_end is not None
     assert tokenizer.eos_token_ids == {im_end, tokenizer.token_to_id("<|endoftext|>")}
     assert tokenizer.is_special(im_end)
-    assert tokenizer.is_special(tokenizer.token_to_id("</tool_call>"))  # USER_DEFINED
+    tool_call_end = tokenizer.token_to_id("</tool_call>")
+    assert tool_call_end is not None and tokenizer.is_special(tool_call_end)  # USER_DEFINED
     assert not tokenizer.is_special(the)
     assert not tokenizer.is_special(tokenizer.vocab_size - 1)  # padding
     with pytest.raises(IndexError):

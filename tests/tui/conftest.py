@@ -14,7 +14,7 @@ from cmpchat.tui.app import CmpchatApp
 from cmpchat.tui.gpu_sampler import FakeGpuSampler
 from cmpchat.tui.model_request import ModelRequest
 from cmpchat.tui.settings import AppState, Settings
-from tests.tui.fakes import ScriptedModel
+from tests.tui.fakes import ScriptedModel, scripted_opener
 
 AppFactory = Callable[..., CmpchatApp]
 
@@ -36,7 +36,7 @@ def make_app(tmp_path: Path) -> AppFactory:
         scripted = model
         opener = None
         if scripted is not None:
-            opener = lambda path, *, backend, progress: scripted  # noqa: E731
+            opener = scripted_opener(lambda path: scripted)
         request = ModelRequest(model_path or (scripted.path if scripted else None))
         return CmpchatApp(
             model_request=request,

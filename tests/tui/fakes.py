@@ -5,23 +5,27 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
+from cmpchat.api import Model
 from cmpchat.chat.messages import Message, ToolCall
 from cmpchat.chat.template import RenderedPrompt
 from cmpchat.engine.events import (
     ContentDelta,
     DecodeProgress,
     Finished,
+    FinishReason,
     GenerationEvent,
     PromptProgress,
     ReasoningDelta,
     Timings,
     ToolCallEvent,
 )
+from cmpchat.tui.model_request import ModelOpener
 
 ANSWER = (
     "The delta rule updates a memory matrix by writing the error between the value and what the "
@@ -59,6 +63,8 @@ class ScriptedModel:
     calls: list[Call] = field(default_factory=list)
     config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(context_length=262_144))
     backend: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(name="cpu", context_limit=262_144))
+    held: object = field(default=None, repr=False, compare=False)
+    """Whatever a test wants the model to keep a reference to (itself, for a reference cycle)."""
 
     def render(self, messages: Sequence[Message], *, tools=None, enable_thinking: bool | None = None) -> RenderedPrompt:
         text = "".join(f"<|im_start|>{m.role}\n{m.text}<|im_end|>\n" for m in messages)
@@ -92,7 +98,7 @@ class ScriptedModel:
         content: list[str] = []
         reasoning: list[str] = []
         generated = 0
-        reason = "stop"
+        reason: FinishReason = "stop"
         for index, delta in enumerate(deltas):
             if cancel is not None and cancel.is_set():
                 reason = "cancelled"
@@ -119,7 +125,16 @@ class ScriptedModel:
             time_to_first_token=1.42,
         )
         calls = (ToolCallEvent(self.tool_call),) if self.tool_call is not None and reason == "stop" else ()
-        yield Finished(reason, "".join(content), "".join(reasoning), calls, timings)  # type: ignore[arg-type]
+        yield Finished(reason, "".join(content), "".join(reasoning), calls, timings)
+
+
+def scripted_opener(make: Callable[[Path | None], ScriptedModel]) -> ModelOpener:
+    """An opener for the app (`cmpchat.open_model`'s shape) that gives what `make` returns for the path asked for."""
+
+    def open_scripted(path: Path | None, *, backend: str, progress: Callable[[str, int, int], None]) -> Model:
+        return cast(Model, make(path))  # the app uses only what a ScriptedModel has
+
+    return open_scripted
 
 
 def _split(text: str, pieces: int) -> list[str]:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from textual.pilot import Pilot
 
+from cmpchat.history.store import ChatRecord
 from cmpchat.tui.screens.chat_screen import ChatScreen
 from cmpchat.tui.widgets.prompt import PromptArea
 
@@ -25,6 +26,13 @@ def chat_screen(pilot: Pilot) -> ChatScreen:
         if isinstance(screen, ChatScreen):
             return screen
     raise AssertionError("no chat screen")
+
+
+def current_chat(screen: ChatScreen) -> ChatRecord:
+    """The stored chat the screen shows (a chat is stored with its first message)."""
+    chat = screen.session.chat
+    assert chat is not None, "the screen shows no stored chat"
+    return chat
 
 
 async def ready(pilot: Pilot) -> ChatScreen:

@@ -133,6 +133,7 @@ def run_app(
         database = home / "data" / "cmpchat" / "history.sqlite3"
         _wait(lambda: _finished_stats(database) is not None, timeout, "saved no finished reply", terminal)
         stats = _finished_stats(database)
+        assert stats is not None
         print(f"  the app: {stats['generated_tokens']} tokens", flush=True)
         if gc_probe is not None:
             time.sleep(0.6)  # the probe's next write

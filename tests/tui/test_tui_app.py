@@ -10,6 +10,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+from textual.widgets import OptionList
 
 from cmpchat.api import open_model
 from cmpchat.model.discovery import FoundModel
@@ -25,8 +26,8 @@ from cmpchat.tui.widgets.load_progress import LoadProgress
 from cmpchat.tui.widgets.messages import ReplyView
 from cmpchat.tui.widgets.status_bar import StatusBar
 from cmpchat.tui.widgets.title_bar import DemoBanner, TitleBar
-from tests.tui.fakes import ScriptedModel
-from tests.tui.helpers import chat_screen, plain, ready, send, wait_for
+from tests.tui.fakes import ScriptedModel, scripted_opener
+from tests.tui.helpers import chat_screen, current_chat, plain, ready, send, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -104,8 +105,8 @@ async def test_model_picker_lists_found_models_and_loads_the_choice(make_app, tm
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, ModelPickerScreen), what="the picker")
         picker = app.screen
-        await wait_for(pilot, lambda: picker.query_one("#model-list").option_count == 3)
-        options = picker.query_one("#model-list")
+        await wait_for(pilot, lambda: picker.query_one("#model-list", OptionList).option_count == 3)
+        options = picker.query_one("#model-list", OptionList)
         assert options.get_option_at_index(1).disabled  # llama: not a model cmpchat runs
         assert "demo model" in str(options.get_option_at_index(2).prompt)
         await pilot.press("enter")
@@ -116,7 +117,7 @@ async def test_model_picker_lists_found_models_and_loads_the_choice(make_app, tm
 
 async def test_a_loaded_model_is_kept_out_of_collections_and_freed_when_replaced(make_app, tmp_path):
     first, second = ScriptedModel(), ScriptedModel(path=tmp_path / "second.gguf")
-    first.own_cycle = first  # only the cycle collector can free it, and only while it is not frozen
+    first.held = first  # only the cycle collector can free it, and only while it is not frozen
     to_open = [first, second]
     app = make_app(model_path=first.path)
     app.opener = lambda path, *, backend, progress: to_open.pop(0)
@@ -137,7 +138,7 @@ async def test_nothing_found_opens_the_demo_model_with_its_banner(make_app, tmp_
         state_file=tmp_path / "state.json",
         history=None,
         discover=lambda: [],
-        opener=lambda path, *, backend, progress: demo,
+        opener=scripted_opener(lambda path: demo),
     )
     async with app.run_test(size=(80, 24)) as pilot:
         screen = await ready(pilot)
@@ -149,13 +150,18 @@ async def test_nothing_found_opens_the_demo_model_with_its_banner(make_app, tmp_
 async def test_the_last_model_is_opened_again(make_app, tmp_path):
     model_file = tmp_path / "last.gguf"
     model_file.write_bytes(b"GGUF")
-    opened = []
+    opened: list[Path | None] = []
+
+    def remember(path: Path | None) -> ScriptedModel:
+        opened.append(path)
+        return ScriptedModel()
+
     app = CmpchatApp(
         state=AppState(last_model=str(model_file)),
         state_file=tmp_path / "state.json",
         history=None,
         discover=lambda: pytest.fail("no discovery when a model is remembered"),
-        opener=lambda path, *, backend, progress: opened.append(path) or ScriptedModel(),
+        opener=scripted_opener(remember),
     )
     async with app.run_test(size=(80, 24)) as pilot:
         await ready(pilot)
@@ -221,7 +227,7 @@ async def test_real_engine_on_the_tiny_model(make_app, tiny_model_path):
         assert screen.query_one(TitleBar).model_name == "tiny.gguf"
         await send(pilot, "Hello")
         reply = screen.query_one(ReplyView)
-        stored = app.history.messages(screen.session.chat.id)[-1]
+        stored = app.history.messages(current_chat(screen).id)[-1]
         assert stored.status == "complete" and stored.stats["generated_tokens"] >= 1
         assert stored.stats["decode_tokens_per_second"] > 0
         assert "tok/s" in str(reply.stats_line.render())
@@ -255,6 +261,6 @@ async def test_real_engine_stops_on_escape(make_app, tiny_model_path):
         await wait_for(pilot, lambda: screen.speed.generated > 0, what="tokens")
         await pilot.press("escape")
         await wait_for(pilot, lambda: not screen.generating, timeout=3, what="the stop")
-        stored = app.history.messages(screen.session.chat.id)[-1]
+        stored = app.history.messages(current_chat(screen).id)[-1]
         assert stored.status == "stopped", stored.stats
         assert 0 < stored.stats["generated_tokens"] < 4000

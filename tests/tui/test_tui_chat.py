@@ -15,7 +15,7 @@ from cmpchat.tui.widgets.prompt import PromptArea
 from cmpchat.tui.widgets.speed_panel import SpeedPanel
 from cmpchat.tui.widgets.title_bar import TitleBar
 from tests.tui.fakes import ANSWER, REASONING, ScriptedModel
-from tests.tui.helpers import ready, send, wait_for
+from tests.tui.helpers import current_chat, ready, send, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -36,7 +36,7 @@ async def test_send_streams_the_reply_and_stores_it(make_app):
         assert stats.phase == "idle" and stats.decode_rate == pytest.approx(27.4)
         assert stats.first_token_seconds == pytest.approx(1.42)
         assert screen.query_one(TitleBar).context_used == 18_204 + stats.generated
-        stored = app.history.messages(screen.session.chat.id)
+        stored = app.history.messages(current_chat(screen).id)
         assert [(m.role, m.status) for m in stored] == [("user", "complete"), ("assistant", "complete")]
         assert stored[1].content == ANSWER and stored[1].reasoning == REASONING
         assert stored[1].stats["decode_tokens_per_second"] == pytest.approx(27.4)
@@ -68,7 +68,7 @@ async def test_tool_calls_show_as_expandable_rows(make_app):
         await send(pilot, "weather?")
         row = screen.query_one(ToolCallView)
         assert row.collapsed and "get_weather" in row.title and "Oslo" in row.title
-        stored = app.history.messages(screen.session.chat.id)[-1]
+        stored = app.history.messages(current_chat(screen).id)[-1]
         assert stored.tool_calls == [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "call_1"}]
 
 
@@ -86,7 +86,7 @@ async def test_escape_stops_at_once_and_keeps_what_was_written(make_app):
         reply = screen.query_one(ReplyView)
         assert reply.content and len(reply.content) < len(ANSWER)
         assert "stopped" in str(reply.stats_line.render())
-        stored = app.history.messages(screen.session.chat.id)[-1]
+        stored = app.history.messages(current_chat(screen).id)[-1]
         assert stored.status == "stopped" and stored.content == reply.content
 
 
@@ -115,7 +115,7 @@ async def test_regenerate_replaces_the_last_reply(make_app):
         await pilot.pause()
         replies = screen.query(ReplyView)
         assert len(replies) == 1 and replies.first().content == "A different answer."
-        stored = app.history.messages(screen.session.chat.id)
+        stored = app.history.messages(current_chat(screen).id)
         assert [m.role for m in stored] == ["user", "assistant"] and stored[1].content == "A different answer."
     assert model.calls[0].messages == model.calls[1].messages
 
@@ -134,7 +134,7 @@ async def test_edit_last_puts_the_message_back_and_resends_it(make_app):
         assert len(screen.query(UserMessage)) == 1 and len(screen.query(ReplyView)) == 1
         prompt.clear()
         await send(pilot, "two")
-        stored = app.history.messages(screen.session.chat.id)
+        stored = app.history.messages(current_chat(screen).id)
         assert [m.content for m in stored if m.role == "user"] == ["one", "two"]
     assert [m.content for m in model.calls[-1].messages if m.role == "user"] == ["one", "two"]
 
@@ -185,7 +185,7 @@ async def test_chat_settings_dialog_sets_system_prompt_and_sampling(make_app):
         assert app.screen is screen
         await send(pilot, "hi")
         assert screen.session.options.temperature == 0 and screen.session.options.max_tokens == 99
-        assert app.history.chat(screen.session.chat.id).settings["system_prompt"] == "You are terse."
+        assert app.history.chat(current_chat(screen).id).settings["system_prompt"] == "You are terse."
     call = model.calls[0]
     assert call.messages[0].role == "system" and call.messages[0].content == "You are terse."
     assert call.max_tokens == 99

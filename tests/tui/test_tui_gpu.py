@@ -27,7 +27,9 @@ def test_fake_sampler_is_deterministic_and_moves():
     first = a.read()
     assert first == b.read() and len(first) == 3
     assert a.read() != first  # the next reading differs
-    assert all(0 <= r.utilization <= 100 and r.memory_used < r.memory_total for r in first)
+    for r in first:
+        assert r.utilization is not None and r.memory_used is not None and r.memory_total is not None
+        assert 0 <= r.utilization <= 100 and r.memory_used < r.memory_total
 
 
 class FakeNvml(types.SimpleNamespace):
@@ -90,17 +92,16 @@ def test_nvml_sampler_converts_units_and_tolerates_refusals():
 
 def test_no_gpus_is_said_in_one_line(monkeypatch):
     assert NvmlSampler(FakeNvml(0)).problem == "no NVIDIA GPU found"
-    fake = types.ModuleType("pynvml")
-    fake.NVMLError = FakeNvml.NVMLError
 
-    def fail():
+    def fail() -> None:
         raise FakeNvml.NVMLError("NVML Shared Library Not Found")
 
-    fake.nvmlInit = fail
+    fake = types.ModuleType("pynvml")
+    vars(fake).update(NVMLError=FakeNvml.NVMLError, nvmlInit=fail)
     monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
     sampler = open_nvml_sampler()
     assert isinstance(sampler, UnavailableSampler) and sampler.read() == []
-    assert "\n" not in sampler.problem and "NVML" in sampler.problem
+    assert sampler.problem is not None and "\n" not in sampler.problem and "NVML" in sampler.problem
 
 
 def test_monitor_reads_on_its_own_thread_until_stopped():
@@ -148,7 +149,7 @@ async def test_gpu_panel_layouts_and_colour_thresholds():
 
     readings = (
         GpuReading(0, "a", 5.0, 1 * GIB, 16 * GIB, 60, 50.0, 250.0, 2**20, 2**20),
-        GpuReading(1, "b", 97.0, 15.5 * GIB, 16 * GIB, 88, 240.0, 250.0, 2**20, 2**20),
+        GpuReading(1, "b", 97.0, int(15.5 * GIB), 16 * GIB, 88, 240.0, 250.0, 2**20, 2**20),
     )
     app = PanelApp()
     async with app.run_test(size=(120, 30)) as pilot:
@@ -163,6 +164,7 @@ async def test_gpu_panel_layouts_and_colour_thresholds():
         wide_lines = plain(wide).splitlines()
         assert len(wide_lines) == 3 and "97%" in wide_lines[2] and "PCIe" in wide_lines[0]
         markup = narrow.render()
+        assert isinstance(markup, str)
         assert "[$success]  5%" in markup  # light load
         assert "[$error] 97%" in markup  # heavy load (nvitop's thresholds)
         assert "[$error]88°" in markup and "[$warning]240/250W" in markup

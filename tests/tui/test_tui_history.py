@@ -16,9 +16,9 @@ from cmpchat.tui.screens.image_picker import ImagePickerScreen
 from cmpchat.tui.widgets.chat_list import ChatList, ChatRows
 from cmpchat.tui.widgets.conversation import Conversation
 from cmpchat.tui.widgets.messages import ReplyView, UserMessage
-from cmpchat.tui.widgets.prompt import AttachmentBar
+from cmpchat.tui.widgets.prompt import AttachmentBar, PromptArea
 from tests.tui.fakes import ScriptedModel
-from tests.tui.helpers import ready, send, wait_for
+from tests.tui.helpers import current_chat, ready, send, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -54,7 +54,7 @@ async def test_image_attach_stores_once_and_says_the_model_cannot_see_it(make_ap
         await pilot.click("#yes")
         await wait_for(pilot, lambda: model.calls and not screen.generating)
         await pilot.pause()
-        stored = app.history.messages(screen.session.chat.id)[0]
+        stored = app.history.messages(current_chat(screen).id)[0]
         assert len(stored.images) == 1 and app.images.path(stored.images[0]).exists()
         assert screen.query_one(UserMessage).images == [app.images.path(stored.images[0])]
         # The same picture again is stored once.
@@ -76,7 +76,7 @@ async def test_cancelling_the_no_vision_warning_sends_nothing(make_app, tmp_path
         await pilot.click("#no")
         await pilot.pause()
         assert not model.calls and screen.session.chat is None
-        assert screen.query_one("#prompt").text == "and this?"
+        assert screen.query_one("#prompt", PromptArea).text == "and this?"
 
 
 async def test_a_model_with_vision_gets_the_image(make_app, tmp_path):
@@ -101,7 +101,7 @@ async def test_history_survives_a_restart(make_app):
         screen = await ready(pilot)
         turns = screen.query_one(Conversation).children
         assert [type(t) for t in turns] == [UserMessage, ReplyView, UserMessage, ReplyView]
-        assert screen.session.chat.title == "remember me"
+        assert current_chat(screen).title == "remember me"
         rows = screen.query_one(ChatRows)
         assert rows.option_count == 1 and "remember me" in str(rows.get_option_at_index(0).prompt)
 
@@ -114,7 +114,7 @@ async def test_quitting_mid_reply_keeps_the_partial_reply_marked_interrupted(mak
         screen.thinking = False
         await send(pilot, "long", wait=False)
         await wait_for(pilot, lambda: screen.active_reply and screen.active_reply.view.content)
-        chat_id = screen.session.chat.id
+        chat_id = current_chat(screen).id
         await pilot.press("ctrl+q")
     gate.set()
     stored = HistoryStore(app.history.path).messages(chat_id)[-1]
@@ -158,7 +158,7 @@ async def test_search_finds_chats_by_title_and_by_message_text(make_app):
         await pilot.press("enter")  # search box: jump to the first hit
         await pilot.press("enter")  # open it
         await pilot.pause()
-        assert screen.session.chat.title == "capital of France?"
+        assert current_chat(screen).title == "capital of France?"
 
 
 async def test_rename_and_delete_from_the_chat_list(make_app):
@@ -166,7 +166,7 @@ async def test_rename_and_delete_from_the_chat_list(make_app):
     async with app.run_test(size=(160, 48)) as pilot:
         screen = await ready(pilot)
         await send(pilot, "first chat")
-        chat_id = screen.session.chat.id
+        chat_id = current_chat(screen).id
         screen.query_one(ChatRows).focus()
         await pilot.press("r")
         await wait_for(pilot, lambda: isinstance(app.screen, TextInputDialog))
@@ -217,5 +217,5 @@ async def test_chat_list_selection_opens_a_chat(make_app):
         rows.highlighted = 1
         await pilot.press("enter")
         await pilot.pause()
-        assert screen.session.chat.title == "older chat"
+        assert current_chat(screen).title == "older chat"
         assert screen.query_one(UserMessage).text == "older chat"

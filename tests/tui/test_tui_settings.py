@@ -130,12 +130,14 @@ def test_reply_buffer_merges_everything_since_the_last_drain():
     buffer.push(ContentDelta("lo"))
     buffer.push(DecodeProgress(2, 21.0))
     update = buffer.drain()
+    assert update is not None and update.decode is not None and update.prompt is not None
     assert update.reasoning == "hm " and update.content == "Hello" and update.decode.generated_tokens == 2
     assert update.prompt.done == 10 and update.first_token_seconds is not None and not update.done
     assert buffer.drain() is None
     timings = Timings(10, 0.1, 2, 2, 0.1, 0.05)
     buffer.push(Finished("stop", "Hello", "hm", (), timings))
-    assert buffer.drain().done
+    final = buffer.drain()
+    assert final is not None and final.done
 
 
 def test_run_generation_turns_a_crash_into_an_error_update():
@@ -147,7 +149,7 @@ def test_run_generation_turns_a_crash_into_an_error_update():
 
     run_generation(events, buffer, lambda err: f"failed: {err}")
     update = buffer.drain()
-    assert update.content == "a" and update.error == "failed: boom" and update.done
+    assert update is not None and update.content == "a" and update.error == "failed: boom" and update.done
 
 
 def test_reply_buffer_is_safe_across_threads():

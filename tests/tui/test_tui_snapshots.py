@@ -21,7 +21,7 @@ from cmpchat.tui.reply_run import ReplyRun
 from cmpchat.tui.settings import AppState, Settings
 from cmpchat.tui.widgets.gpu_panel import GpuPanel
 from cmpchat.tui.widgets.prompt import PromptArea
-from tests.tui.fakes import ScriptedModel
+from tests.tui.fakes import ScriptedModel, scripted_opener
 from tests.tui.helpers import chat_screen, ready, send, wait_for
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((160, 48), id="160x48")]
@@ -154,7 +154,7 @@ def test_model_picker(snap_compare, tmp_path, size):
         history=None,
         gpu_sampler=FakeGpuSampler(0),
         discover=lambda: found,
-        opener=lambda path, *, backend, progress: ScriptedModel(),
+        opener=scripted_opener(lambda path: ScriptedModel()),
     )
 
     async def run_before(pilot):

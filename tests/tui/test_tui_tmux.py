@@ -113,7 +113,9 @@ def test_chat_on_the_demo_model_in_tmux(tmux, tmp_path):
     time.sleep(0.3)
     tmux.keys("Enter")
     screen = tmux.wait(lambda s: SPEED.search(s), 120, "the reply and its speed line")
-    tokens_per_second, tokens = (float(x) for x in SPEED.search(screen).groups())
+    speed = SPEED.search(screen)
+    assert speed is not None
+    tokens_per_second, tokens = (float(x) for x in speed.groups())
     assert tokens_per_second > 0 and 1 <= tokens <= 24
     assert "Hello there" in screen and "you" in screen
     status_line = screen.splitlines()[-2]
