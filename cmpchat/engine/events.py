@@ -57,6 +57,8 @@ class Finished:
     reasoning: str
     tool_calls: tuple[ToolCallEvent, ...]
     timings: Timings
+    token_ids: tuple[int, ...] = ()
+    """Every token generated, an end token included (what the texts were decoded from)."""
 
 
 GenerationEvent = PromptProgress | DecodeProgress | ReasoningDelta | ContentDelta | ToolCallEvent | Finished

@@ -70,6 +70,8 @@ class Reply:
         self.history: list[int] = list(prompt)
         """Prompt and generated tokens, for the sampling penalties."""
         self.generated = 0
+        self.token_ids: list[int] = []
+        """Every token accepted, end tokens included."""
         self.finish_reason: FinishReason | None = None
         self.content: list[str] = []
         self.reasoning: list[str] = []
@@ -93,6 +95,7 @@ class Reply:
         if self.done:
             raise RuntimeError("Reply.accept after the reply finished")
         self.generated += 1
+        self.token_ids.append(token)
         if token in self._end_tokens:
             self.finish_reason = "stop"
             return []
@@ -116,7 +119,9 @@ class Reply:
         reason = self.finish_reason or "length"
         if reason == "stop" and self.tool_calls:
             reason = "tool_calls"
-        finished = Finished(reason, "".join(self.content), "".join(self.reasoning), tuple(self.tool_calls), timings)
+        finished = Finished(
+            reason, "".join(self.content), "".join(self.reasoning), tuple(self.tool_calls), timings, tuple(self.token_ids)
+        )
         return [*events, finished]
 
     def _collect(self, events: list[Event]) -> list[Event]:

@@ -208,3 +208,9 @@ def test_tiny_model_end_to_end(tiny_model_path: Path) -> None:
     one = last_finished(list(model.chat([Message("user", "hi")], sampled)))
     two = last_finished(list(model.chat([Message("user", "hi")], sampled)))
     assert one.content == two.content
+
+
+def test_finished_carries_the_generated_token_ids(tiny) -> None:
+    engine, backend = engine_for(tiny)
+    _, finished = run(engine, say(tiny, "Hi there"))
+    assert finished.token_ids == (*tiny[1].encode("Hi there"), backend.end_token)
