@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cmpchat.backends.base import Backend, HostLogits, Logits, Selection, Selector, TokenInput, host_tokens
+from cmpchat.backends.base import Backend, HostLogits, Logits, Selection, Selector, TokenInput
 from cmpchat.backends.kv_pool import PageList, PagePool
 from cmpchat.errors import CmpchatError
 from cmpchat.model.config import ModelConfig
@@ -166,7 +166,7 @@ class ScriptedBackend(Backend[ScriptedSequence]):
         if len(sequence.tokens) + len(tokens) > self.context_limit:
             raise CmpchatError(f"the {self.context_limit}-token context is full")
         sequence.pages.grow(len(tokens))
-        sequence.tokens += list(host_tokens(list(tokens)))
+        sequence.tokens += list(tokens)
 
     def _script(self, prompt: str) -> list[int] | None:
         start = prompt.rfind(DIRECTIVE)

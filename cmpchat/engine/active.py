@@ -58,6 +58,10 @@ class ActiveRequest:
     def is_decoding(self) -> bool:
         return self.pending is not None
 
+    def prompt_rate(self, now: float) -> float:
+        """Prompt tokens read per second since the request first got a sequence."""
+        return self.prefilled_tokens / (now - self.admitted_at) if now > self.admitted_at else 0.0
+
     def timings(self) -> Timings:
         """Where this request's time went, measured from the moment it first got a sequence.
 

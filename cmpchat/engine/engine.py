@@ -278,8 +278,6 @@ class Engine(Generic[S]):
         with self._lock:
             item = self.scheduler.next_to_admit()
         if item is not None and item.handle.cancelled:
-            with self._lock:
-                self.scheduler.waiting.remove(item)
             self._finish([item], cancelled=True)
             return self._next_to_admit()
         return item
@@ -432,8 +430,7 @@ class Engine(Generic[S]):
             item.fed = end
             if item.fed < len(item.tokens):
                 if item.admissions == 1:
-                    rate = item.prefilled_tokens / (now - item.admitted_at) if now > item.admitted_at else 0.0
-                    self._emit(item, [PromptProgress(end, len(item.prompt), rate)])
+                    self._emit(item, [PromptProgress(end, len(item.prompt), item.prompt_rate(now))])
                 continue
             selection = self._select([item], logits)
             if selection is None:
@@ -442,8 +439,7 @@ class Engine(Generic[S]):
             item.group = self.scheduler.least_loaded_group()
             if item.prompt_done_at is None:
                 item.prompt_done_at = now
-                rate = item.prefilled_tokens / (now - item.admitted_at) if now > item.admitted_at else 0.0
-                self._emit(item, [PromptProgress(len(item.prompt), len(item.prompt), rate)])
+                self._emit(item, [PromptProgress(len(item.prompt), len(item.prompt), item.prompt_rate(now))])
 
     # -- endings and events -----------------------------------------------------------------------
 
@@ -458,8 +454,6 @@ class Engine(Generic[S]):
             self.stats.count_finish(item.reply.finish_reason or "length", item.reply.tool_calls != [])
             with self._lock:
                 self.scheduler.remove([item])
-                if item in self.scheduler.waiting:
-                    self.scheduler.waiting.remove(item)
             if item.sequence is not None and not cancelled and item.fed > 0:
                 # The state after everything the reply's sequence read: the next turn of a conversation that
                 # repeats this one verbatim resumes from it.
@@ -479,8 +473,6 @@ class Engine(Generic[S]):
             self._emit(item, [Failed(message)])
             with self._lock:
                 self.scheduler.remove([item])
-                if item in self.scheduler.waiting:
-                    self.scheduler.waiting.remove(item)
             item.pending = None
             self._release_sequence(item)
 

@@ -120,7 +120,12 @@ class Reply:
         if reason == "stop" and self.tool_calls:
             reason = "tool_calls"
         finished = Finished(
-            reason, "".join(self.content), "".join(self.reasoning), tuple(self.tool_calls), timings, tuple(self.token_ids)
+            reason,
+            "".join(self.content),
+            "".join(self.reasoning),
+            tuple(self.tool_calls),
+            timings,
+            tuple(self.token_ids),
         )
         return [*events, finished]
 

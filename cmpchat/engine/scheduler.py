@@ -110,6 +110,9 @@ class Scheduler:
         return sizes.index(min(sizes))
 
     def remove(self, items: Sequence[ActiveRequest]) -> None:
+        """Take requests out, running or waiting."""
         for item in items:
             if item in self.running:
                 self.running.remove(item)
+            elif item in self.waiting:
+                self.waiting.remove(item)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
+from cmpchat.backends.gpu.buffers import fill_zero
 from cmpchat.backends.kv_pool import PageCopy
 from cmpchat.model.config import ModelConfig
 
@@ -82,8 +83,6 @@ class Fp16Pages(KvPages):
                     array[copy.target, : copy.tokens].copy_to_device(array[copy.source, : copy.tokens], stream=stream)
 
     def zero(self, pages: Sequence[int], stream: Any) -> None:
-        from cmpchat.backends.gpu.buffers import fill_zero
-
         for caches in (self.keys, self.values):
             for array in caches.values():
                 for page in pages:

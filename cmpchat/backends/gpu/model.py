@@ -85,7 +85,7 @@ class CudaBackend(Backend[CudaSequence]):
         self.gpu = gpu_info(0)
         plan = self.memory_plan(
             model_file, config, sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem,
-            layout=layout, page_tokens=page_tokens,
+            layout=layout, page_tokens=page_tokens, gpu=self.gpu,
         )  # fmt: skip
         self.plans = [plan]
         last_index = len(self.plans) - 1
@@ -127,11 +127,12 @@ class CudaBackend(Backend[CudaSequence]):
         gpu_mem: int | None = None,
         layout: KvLayout = FP16,
         page_tokens: int | None = None,
+        gpu: GpuInfo | None = None,
     ) -> StagePlan:
         """What loading would allocate on GPU 0 for `sequences` sequence states (running and saved): the weights,
         their states, the step buffers and a KV pool of what is left; raises CmpchatError when the pool cannot
-        hold even a short context."""
-        info = gpu_info(0)
+        hold even a short context. `gpu`: GPU 0 as already read (else it is read here)."""
+        info = gpu or gpu_info(0)
         layers = range(config.num_layers)
         page_tokens = _page_tokens(config, page_tokens or PAGE_TOKENS)
         pages_per_row = -(-min(context or config.context_length, config.context_length) // page_tokens)
