@@ -270,7 +270,7 @@ def test_requests_preempted_for_kv_pages_on_the_gpu_say_what_they_say_alone():
 
     model_file = ModelFile(ensure_demo_model())
     tokenizer = Tokenizer.from_metadata(model_file.metadata)
-    gpu = CudaBackend(model_file, sequences=16, saved_states=1, context=4096, kv_tokens=12 * 256)
+    gpu = CudaBackend(model_file, sequences=16, saved_states=1, context=1024, kv_tokens=12 * 256)
     options = GenerationOptions(max_tokens=200, ignore_eos=True, raw_text=True)
     prompts = [tuple((31 * i + 7 * j) % 9000 for j in range(20 + i)) for i in range(16)]
     engine = Engine(gpu, tokenizer, slots=16, cache_states=0)

@@ -95,6 +95,13 @@ def test_more_sequence_states_leave_a_smaller_pool_and_kv_tokens_cap_it():
     assert capped.pool_tokens == 20_000 // 256 * 256 and capped.total < one.total
 
 
+def test_kv_tokens_below_one_sequence_says_which_option_to_raise():
+    config, weights, largest = config_of("4B")
+    with pytest.raises(CmpchatError, match=r"3072 tokens holds less than one sequence's 4096; raise --kv-tokens"):
+        plan(config, weights, largest, 16 * GIB, context=8192, kv_tokens=3072)
+    assert plan(config, weights, largest, 16 * GIB, sequences=4, context=1024, kv_tokens=3072).pool_tokens == 3072
+
+
 @pytest.mark.parametrize("shape_name", ["0.8B", "9B", "27B"])
 @pytest.mark.parametrize("sm_count", [68, 132])
 def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_count):

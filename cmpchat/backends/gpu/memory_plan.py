@@ -124,6 +124,11 @@ def plan_stage(
     pool = min(fits, sequences * model_context, kv_tokens or fits)
     pool = pool // page_tokens * page_tokens
     least = min(MIN_CONTEXT, model_context)
+    if kv_tokens is not None and kv_tokens < least:
+        raise CmpchatError(
+            f"a KV pool of {kv_tokens} tokens holds less than one sequence's {least}; "
+            f"raise --kv-tokens to at least {least} or lower --ctx"
+        )
     if pool < least:
         need = fixed + kv_bytes_per_token * least
         raise CmpchatError(
