@@ -78,8 +78,8 @@ def run_decode(
         say(f"  decoding {tokens} tokens at context {context}")
         seconds = _time_replies(engine, backend, 1, context, tokens)
         launches = backend.step_launches(1)
-        profile = profile_launches(launches, backend.stream)
-        in_replay = cost_in_replay(launches, backend.stream, kernel_family)
+        profile = profile_launches(launches, backend.stream, early_launch=backend.early_launch)
+        in_replay = cost_in_replay(launches, backend.stream, kernel_family, early_launch=backend.early_launch)
         bytes_ = step_bytes(weights, config, context)
         family_bytes = {"GEMV": weights, "attention": bytes_.kv_cache, "GDN": bytes_.recurrent_state}
         runs.append(

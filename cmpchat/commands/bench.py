@@ -89,7 +89,9 @@ def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
         progress.close()
 
     def profile_step(sequence: CudaSequence) -> tuple[tuple[str, ...], tuple[float, ...]]:
-        timings = profile_launches(backend.prompt_step_launches(sequence), backend.stream)
+        timings = profile_launches(
+            backend.prompt_step_launches(sequence), backend.stream, early_launch=backend.early_launch
+        )
         return timings.names, timings.attributed()
 
     _say(f"{path.name}: prompts of {args.tokens} tokens")
@@ -128,7 +130,7 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeRepor
     from cmpchat.bench.limits import weight_bytes_per_step
     from cmpchat.bench.llama_cpp import decode_command, run_llama_bench
     from cmpchat.bench.report import DecodeReport, format_decode
-    from cmpchat.cudart.raw_launch import RawLaunch
+    from cmpchat.cudart.raw_launch import early_launch_allowed
     from cmpchat.kernels.throughput_probes import streaming_read_bandwidth
     from cmpchat.model.config import ModelConfig
     from cmpchat.model.gguf_file import ModelFile
@@ -171,7 +173,7 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeRepor
     tokenizer = Tokenizer.from_metadata(model_file.metadata)
     runs = run_decode(backend, tokenizer, weights, bandwidth, contexts, batches, args.tokens, _say)
     gpu = backend.gpu.name
-    early = any(RawLaunch(launch).early for launch in backend.step_launches(1))
+    early = backend.early_launch and early_launch_allowed()  # what the step's graphs were bound with
     del backend
     _free_gpu_memory()  # before llama.cpp loads the file
     llama = []

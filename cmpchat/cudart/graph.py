@@ -45,13 +45,16 @@ class LaunchGraph:
             self._finalizer = weakref.finalize(self, _destroy_exec, graph_exec)
 
     @classmethod
-    def capture(cls, launches: Iterable[Launch | RawLaunch], stream: Any) -> LaunchGraph:
-        """Capture the launches, in order, on `stream` (a created stream, not the default stream).
+    def capture(cls, launches: Iterable[Launch | RawLaunch], stream: Any, *, early_launch: bool = False) -> LaunchGraph:
+        """Capture the launches, in order, on `stream` (a created stream, not the default stream); with
+        `early_launch` (sm_90+ only), those of early-launch kernels are bound to start early (`RawLaunch`).
 
         Every kernel is compiled, loaded and bound before capture starts (none of that may happen inside a
         capture); the graph is instantiated and uploaded, so the first replay costs no more than later ones.
         """
-        raw = tuple(item if isinstance(item, RawLaunch) else RawLaunch(item) for item in launches)
+        raw = tuple(
+            item if isinstance(item, RawLaunch) else RawLaunch(item, early_launch=early_launch) for item in launches
+        )
         if SIMULATOR:
             return cls(raw, stream)
         handle = stream_handle(stream)
@@ -87,18 +90,21 @@ class LaunchGraph:
 
 
 class StepLaunches:
-    """A step's launches, replayed from a captured graph, or run one by one when graphs are off."""
+    """A step's launches, replayed from a captured graph, or run one by one when graphs are off; `early_launch`
+    as `LaunchGraph.capture`'s (eager launches go through Numba, never early)."""
 
-    def __init__(self, launches: list[Launch], stream: Any, use_graph: bool) -> None:
+    def __init__(self, launches: list[Launch], stream: Any, use_graph: bool, *, early_launch: bool = False) -> None:
         self.launches = launches
-        self.graph = LaunchGraph.capture(launches, stream) if use_graph else None
+        self.graph = LaunchGraph.capture(launches, stream, early_launch=early_launch) if use_graph else None
 
     @classmethod
-    def run_then_capture(cls, launches: list[Launch], stream: Any, use_graph: bool) -> StepLaunches:
+    def run_then_capture(
+        cls, launches: list[Launch], stream: Any, use_graph: bool, *, early_launch: bool = False
+    ) -> StepLaunches:
         """Run the launches once now, eagerly (which compiles and loads their kernels), then capture them."""
         for launch in launches:
             launch.run(stream)
-        return cls(launches, stream, use_graph)
+        return cls(launches, stream, use_graph, early_launch=early_launch)
 
     def run(self, stream: Any) -> None:
         if self.graph is not None:

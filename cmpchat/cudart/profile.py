@@ -53,14 +53,17 @@ class LaunchTimings:
         return tuple(max(seconds - excess, 0.0) for seconds in self.per_launch)
 
 
-def time_launches(launches: Launch | Sequence[Launch], repeats: int = 100, warmup: int = 10) -> float:
-    """Seconds per run of `launches` (one or a list run in order): the list is captured as a CUDA graph,
-    and CUDA events time `repeats` replays queued back to back after `warmup` replays."""
+def time_launches(
+    launches: Launch | Sequence[Launch], repeats: int = 100, warmup: int = 10, *, early_launch: bool = False
+) -> float:
+    """Seconds per run of `launches` (one or a list run in order): the list is captured as a CUDA graph
+    (`early_launch` as `LaunchGraph.capture`'s), and CUDA events time `repeats` replays queued back to back
+    after `warmup` replays."""
     sequence = [launches] if isinstance(launches, Launch) else list(launches)
     stream = cuda.stream()
     for launch in sequence:  # compile and load before capture
         launch.run(stream)
-    graph = LaunchGraph.capture(sequence, stream)
+    graph = LaunchGraph.capture(sequence, stream, early_launch=early_launch)
     for _ in range(warmup):
         graph.replay(stream)
     start, stop = cuda.event(), cuda.event()
@@ -73,11 +76,14 @@ def time_launches(launches: Launch | Sequence[Launch], repeats: int = 100, warmu
     return cuda.event_elapsed_time(start, stop) / 1e3 / repeats
 
 
-def profile_launches(launches: Sequence[Launch | RawLaunch], stream: Any, replays: int = 20) -> LaunchTimings:
-    """Time every launch of `launches` (already compiled: run them once first) and the whole list."""
+def profile_launches(
+    launches: Sequence[Launch | RawLaunch], stream: Any, replays: int = 20, *, early_launch: bool = False
+) -> LaunchTimings:
+    """Time every launch of `launches` (already compiled: run them once first) and the whole list; `early_launch`
+    binds the `Launch`es as `LaunchGraph.capture` does."""
     if SIMULATOR:
         raise RuntimeError("profiling needs a GPU; the CUDA simulator has no timers")
-    raw = [item if isinstance(item, RawLaunch) else RawLaunch(item) for item in launches]
+    raw = [item if isinstance(item, RawLaunch) else RawLaunch(item, early_launch=early_launch) for item in launches]
     handle = stream_handle(stream)
     events = [check("cuEventCreate", driver.cuEventCreate(0)) for _ in range(len(raw) + 1)]
     try:
@@ -102,17 +108,22 @@ def profile_launches(launches: Sequence[Launch | RawLaunch], stream: Any, replay
 
 
 def cost_in_replay(
-    launches: Sequence[Launch | RawLaunch], stream: Any, group_of: Callable[[str], str], replays: int = 20
+    launches: Sequence[Launch | RawLaunch],
+    stream: Any,
+    group_of: Callable[[str], str],
+    replays: int = 20,
+    *,
+    early_launch: bool = False,
 ) -> dict[str, float]:
     """Per group of launches (`group_of(kernel name)`), the seconds a plain replay of all of them takes more
     than a replay with that group's launches left out: what the group costs where it runs among the others.
 
     What stays reads buffers the left-out launches no longer write: fine for decode kernels, whose time depends
-    on sizes and on positions the host writes, not on the values they read.
+    on sizes and on positions the host writes, not on the values they read. `early_launch` as `profile_launches`'.
     """
     if SIMULATOR:
         raise RuntimeError("profiling needs a GPU; the CUDA simulator has no timers")
-    raw = [item if isinstance(item, RawLaunch) else RawLaunch(item) for item in launches]
+    raw = [item if isinstance(item, RawLaunch) else RawLaunch(item, early_launch=early_launch) for item in launches]
     groups = [group_of(launch.kernel_name) for launch in raw]
 
     full = _plain_replay_seconds(raw, stream, replays)

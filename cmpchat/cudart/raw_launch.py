@@ -6,12 +6,13 @@ Binding compiles the dispatcher for the launch's argument types exactly as Numba
 reuses the module Numba loaded (one copy per context, Numba's module setup done). The parameters are packed
 as `kernel_args` describes and checked against the driver's own parameter table for the kernel.
 
-Kernels defined with `early_launch` are launched on sm_90+ with programmatic stream serialization
-(`cuLaunchKernelEx`): the driver may start one while the launch before it on the stream still runs, and the
-kernel's `wait_for_prior_grids()` holds it until that launch is done; a graph captured from such launches
-keeps those edges. It hides each launch's start (block scheduling, the prologue's independent part) behind the
-tail of the one before. CMPCHAT_EARLY_LAUNCH=0 in the environment turns it off (to rule it out when hunting a
-race); below sm_90 it does not exist.
+Kernels defined with `early_launch` are launched with programmatic stream serialization (`cuLaunchKernelEx`)
+when the caller asks for it (`RawLaunch(launch, early_launch=True)`: the device's choice, `DeviceTuning.early_launch`
+in `cmpchat/kernels/device_table.py`, which only sm_90+ has): the driver may start one while the launch before it
+on the stream still runs, and the kernel's `wait_for_prior_grids()` holds it until that launch is done; a graph
+captured from such launches keeps those edges. It hides each launch's start (block scheduling, the prologue's
+independent part) behind the tail of the one before. CMPCHAT_EARLY_LAUNCH=0 in the environment turns it off
+whatever the caller asks (to rule it out when hunting a race); the simulator never launches early.
 
 The arguments are frozen at binding: device arrays by address (they must outlive the RawLaunch, which
 keeps a reference), scalars by value. Values that change from call to call belong in device memory
@@ -28,7 +29,7 @@ from typing import Any
 
 from cmpchat.cudart.compile import is_early_launch
 from cmpchat.cudart.driver_api import SUCCESS, CudaDriverError, check, stream_handle
-from cmpchat.cudart.intrinsics import EARLY_LAUNCH_CAPABILITY, SIMULATOR
+from cmpchat.cudart.intrinsics import SIMULATOR
 from cmpchat.cudart.kernel_args import PackedParams, kernel_params, pack_params
 from cmpchat.cudart.launch import Dim, Launch
 
@@ -39,13 +40,10 @@ STATIC_SHARED_LIMIT = 48 * 1024
 """Dynamic shared memory above this needs the kernel attribute raised first (docs/hardware.md, "Numba-CUDA facts that shape the code")."""
 
 
-def early_launch_enabled() -> bool:
-    """Whether early-launch kernels are launched early here: an sm_90+ GPU, not turned off in the environment."""
-    if SIMULATOR or os.environ.get("CMPCHAT_EARLY_LAUNCH", "1") == "0":
-        return False
-    from numba import cuda
-
-    return tuple(cuda.get_current_device().compute_capability) >= EARLY_LAUNCH_CAPABILITY
+def early_launch_allowed() -> bool:
+    """Whether a launch asked to start early may: not under the simulator, not turned off in the environment
+    (CMPCHAT_EARLY_LAUNCH=0). Whether the GPU has early launch is the caller's to know (it asks only on sm_90+)."""
+    return not SIMULATOR and os.environ.get("CMPCHAT_EARLY_LAUNCH", "1") != "0"
 
 
 @dataclass(slots=True)
@@ -69,9 +67,11 @@ class RawLaunch:
     __slots__ = ("launch", "kernel_name", "early", "_function", "_grid", "_block", "_buffer", "_pointers",
                  "_params_address", "_config")  # fmt: skip
 
-    def __init__(self, launch: Launch) -> None:
+    def __init__(self, launch: Launch, *, early_launch: bool = False) -> None:
+        """`early_launch`: launch it early if its kernel allows that (see the module's docstring); only for a
+        GPU that has early launch (sm_90+)."""
         self.launch = launch
-        self.early = is_early_launch(launch.dispatcher) and early_launch_enabled()  # see the module's docstring
+        self.early = early_launch and is_early_launch(launch.dispatcher) and early_launch_allowed()
         if SIMULATOR:
             self.kernel_name = getattr(launch.dispatcher, "__name__", "kernel")
             return

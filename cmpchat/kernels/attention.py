@@ -31,7 +31,8 @@ Tiling (`attention_partial`, one block of `warps` warps per (KV head, split, row
   block writes one unnormalised partial (acc, max, sum) per query head.
 - Splits: each row's length is cut into `num_splits` pieces (at least `min_split_tokens`, whole tiles), so
   short rows use few blocks and long ones the whole GPU. The split count is fixed when a graph is captured;
-  the piece size follows the length read on the device. `splits_for` sizes it from the SM count and G.
+  the piece size follows the length read on the device. `splits_for` sizes it from the SM count and the
+  blocks per SM wanted (the device's choice for G, `DeviceTuning.decode_attention_config`).
 Bytes: per token and KV head 2*hd*2 bytes of cache; partials add G*(hd+2)*4 bytes per block, written and
 read back (see `min_split_tokens`).
 
@@ -325,15 +326,6 @@ def merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active):
 # --- launchers -------------------------------------------------------------------------------------------
 
 
-SPLIT_BLOCKS_PER_SM = {4: 4, 6: 2}
-"""Blocks per SM the split count aims at, by G: no more than fit on an SM at once, so long rows run in one wave
-(H200: 4 of G=4's 128-register blocks, 3 of G=6's 168; the CMP's sm_70: 3 and 2 of 156 and 211). Measured on
-the H200, 2026-12-01, partial + combine at one sequence, against the 8 of before: G=4 equal up to 4K tokens,
-51.5 -> 42.1 µs at 16K and 75.1 -> 65.5 at 32K; G=6 (2 beat 4) equal up to 1K, 33.6 -> 25.6 at 4K, 74.5 -> 62.6
-at 16K, 110.5 -> 107.5 at 32K. On sm_70 G=4's 4 are 1 1/3 waves: not yet measured on a CMP. Other G (no
-released model): 4."""
-
-
 @dataclass(frozen=True, slots=True)
 class DecodeAttentionConfig:
     """How decode attention is cut up; fixed for a captured graph (the lengths are not)."""
@@ -360,14 +352,12 @@ class DecodeAttentionConfig:
 
     @classmethod
     def splits_for(
-        cls, batch: int, num_heads: int, num_kv_heads: int, sm_count: int, blocks_per_sm: int | None = None
+        cls, batch: int, num_kv_heads: int, sm_count: int, blocks_per_sm: int, **tiling: Any
     ) -> DecodeAttentionConfig:
-        """Enough splits that a batch of long rows gives every SM `blocks_per_sm` blocks (default: as measured
-        best for G = num_heads / num_kv_heads, `SPLIT_BLOCKS_PER_SM`)."""
-        if blocks_per_sm is None:
-            blocks_per_sm = SPLIT_BLOCKS_PER_SM.get(num_heads // num_kv_heads, 4)
+        """Enough splits that a batch of long rows gives every SM `blocks_per_sm` blocks (the device's choice
+        per G: `DeviceTuning.decode_attention_config`), with the tiling's other fields `tiling`."""
         wanted = math.ceil(sm_count * blocks_per_sm / (batch * num_kv_heads))
-        return cls(num_splits=max(1, min(MAX_SPLITS, wanted)))
+        return cls(num_splits=max(1, min(MAX_SPLITS, wanted)), **tiling)
 
 
 def partial_buffer_shapes(

@@ -192,10 +192,8 @@ class PrefillAttentionConfig:
 
 
 SIMULATOR_CONFIG = dict(warps=2, key_lanes=1, qk_dims=16, pv_keys=8, min_split_tokens=32)
-"""A tiling small enough for the simulator (one Python thread per CUDA thread): 2 warps, 32-key tiles."""
-ENGINE_TILING: dict[str, int] = SIMULATOR_CONFIG if SIMULATOR else {}
-"""The tiling the engine launches with (`splits_for(..., **ENGINE_TILING)`): the GPU defaults, or the
-simulator's."""
+"""A tiling small enough for the simulator (one Python thread per CUDA thread): 2 warps, 32-key tiles. Which
+tiling the engine launches with is the device's choice (`DeviceTuning.prefill_attention`, `device_table.py`)."""
 
 
 def partial_buffer_shapes(

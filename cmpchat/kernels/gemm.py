@@ -14,7 +14,7 @@ Why this shape: prefill does 2 * rows * cols * T ops on rows * cols weight bytes
 (~17 TOPS dp4a, 818 GB/s) is dp4a-bound; what matters is that dp4a is most of what the SMs issue and that
 its operands come from shared memory without bank conflicts. Tensor cores are never used (docs/hardware.md).
 
-Tiling (`GemmTiling`; the default `GPU_TILING` in brackets, `default_tiling` picks it per GPU):
+Tiling (`GemmTiling`; `GPU_TILING` in brackets; which one a GPU runs is its row of `device_table.py`):
 - A block owns [64] weight rows x [64] tokens with [4] warps. Its rows are two halves: consecutive rows in
   store/accumulate mode; in SwiGLU mode [32] gate rows g0.. and their up rows g0 + rows/2.., so each thread
   holds a gate row and its up row and the epilogue needs no exchange.
@@ -168,11 +168,11 @@ class GemmTiling:
 
 
 GPU_TILING = GemmTiling(warp_rows=2, warp_tokens=2, stage_blocks=2, prefetch=True)
-"""64 rows x 64 tokens, 128 threads, 64 columns per stage, prefetched, 4 blocks per SM: the default from
-sm_80 on (H200, `gemm_bench --sweep`: 61.0% of the dp4a peak over the 9B projections at 512 tokens, 59.8% with
-12 warps, 57.7% without prefetch)."""
+"""64 rows x 64 tokens, 128 threads, 64 columns per stage, prefetched, 4 blocks per SM: what sm_80 on runs
+(`device_table.py`; H200, `gemm_bench --sweep`: 61.0% of the dp4a peak over the 9B projections at 512 tokens,
+59.8% with 12 warps, 57.7% without prefetch)."""
 SM70_TILING = GemmTiling(warp_rows=2, warp_tokens=2, stage_blocks=2, prefetch=True, resident_warps=12)
-"""The CMP's (sm_70) default: `GPU_TILING` with 168 registers, where 128 spill."""
+"""What the CMP (sm_70) runs: `GPU_TILING` with 168 registers, where 128 spill."""
 SWEEP_TILINGS = (
     GPU_TILING,
     SM70_TILING,
@@ -183,16 +183,6 @@ SWEEP_TILINGS = (
 tiles, which did not fill more of the GPU at 256 tokens than they lost per block."""
 SIMULATOR_TILING = GemmTiling(warp_rows=1, warp_tokens=1, stage_blocks=2, prefetch=True)
 """32 rows x 32 tokens, one warp: the same body, small enough for one Python thread per CUDA thread."""
-
-
-def tiling_for(compute_capability: tuple[int, int]) -> GemmTiling:
-    """The tiling for a GPU of this compute capability: sm_70's holds the prefetch without spilling."""
-    return SM70_TILING if compute_capability[0] < 8 else GPU_TILING
-
-
-def default_tiling() -> GemmTiling:
-    """The tiling for the current GPU (the simulator's when simulating)."""
-    return SIMULATOR_TILING if SIMULATOR else tiling_for(tuple(cuda.get_current_device().compute_capability))
 
 
 def matmul_kind(tokens: int) -> str:
@@ -438,17 +428,16 @@ def gemm_q8_launch(
     out: Any,
     *,
     mode: str = "store",
-    tiling: GemmTiling | None = None,
+    tiling: GemmTiling,
 ) -> Launch:
     """y = W x for any number of quantised tokens (layouts in the module docstring; best above 16 tokens,
     see `matmul_kind`).
 
     mode "store" writes out [T, rows]; "accumulate" adds into it; "swiglu" takes W = [gate | up] stacked
-    along rows and writes silu(gate x) * (up x) into out [T, rows/2]. `tiling` (default: `default_tiling()`)
-    is for benchmarks and tests.
+    along rows and writes silu(gate x) * (up x) into out [T, rows/2]. `tiling`: the device's
+    (`DeviceTuning.gemm`), or another for benchmarks and tests.
     """
     rows, words, tokens, code = check_q8_matmul(weight_quants, weight_scales, x_quants, x_scales, out, mode)
-    tiling = tiling or default_tiling()
     grid = gemm_grid(rows, tokens, mode, tiling)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"{rows} rows need {grid[1]} row tiles, more than a grid's {MAX_GRID_Y}: split the weight")

@@ -23,9 +23,9 @@ dealt round the blocks, so each SM streams the same share of the matrix give or 
 (handing each block consecutive pairs left up to a quarter of the SMs idle at the end of 27B's ffn down).
 The per-lane sums add the steps in the same order whatever the variant, so every variant gives the same bits.
 Staging and the sum of squares issue four rounds of 16-byte loads before using any, and the staging's first
-four go out with the sum's, so the prologue costs about one L2 round trip, not one per round. Inputs wider
-than 4096 with more row pairs than 16 warps per SM take one 24-warp block per SM, the rest one 16-warp block
-(`default_tiling`).
+four go out with the sum's, so the prologue costs about one L2 round trip, not one per round. Which tiling a
+launch takes is the device's choice (`DeviceTuning.gemv_tiling`, `device_table.py`): on every GPU so far, inputs
+wider than 4096 with more row pairs than 16 warps per SM take one 24-warp block per SM, the rest one 16-warp block.
 """
 
 from __future__ import annotations
@@ -129,28 +129,6 @@ class FusedGemvTiling:
     @property
     def label(self) -> str:
         return f"{self.steps}s{self.groups}gx{self.blocks_per_sm}"
-
-
-NARROW_TILING = FusedGemvTiling(steps=4, blocks_per_sm=1, groups=2)
-WIDE_TILING = FusedGemvTiling(steps=4, blocks_per_sm=1, groups=3)
-WIDE_COLUMNS = 4096
-"""Inputs wider than this take WIDE_TILING when they have more row pairs than NARROW_TILING has warps
-(`default_tiling`). Measured (`gemv_bench --sweep`, H200, 2026-12-01, after the launch bounds): on the 9B
-shapes' 4096-column inputs one 16-warp block per SM is 0.1-0.5 µs faster per launch than three 8-warp blocks or
-one 24-warp block (the 9B step's GEMVs 2.70 -> 2.65 ms); on the 27B's wider inputs one 24-warp block per SM is
-as fast or faster on the shapes a step runs most (ffn gate+up 50.5 against 51.1 µs for 16 warps, ffn down 31.0
-against 34.0)."""
-
-
-def default_tiling(rows: int, cols: int, mode: str, sm_count: int) -> FusedGemvTiling:
-    """The tiling a launch gets unless told otherwise: WIDE_TILING for inputs wider than WIDE_COLUMNS, unless
-    NARROW_TILING's grid has a warp for every row pair. Measured in whole steps (A/B, H200, 2026-12-01, same
-    bits): 9B's ffn down (4096 rows, 12288 columns: 2048 pairs for 2112 narrow warps) on 16-warp blocks made the
-    step 2.811 -> 2.793 ms at context 0 (3.220 -> 3.200 at 32K), while every 27B input (2560 pairs or more) on
-    them made its step 8.36 -> 8.51 ms."""
-    narrow_warps = sm_count * NARROW_TILING.blocks_per_sm * NARROW_TILING.block_threads // WARP_SIZE
-    wide = cols > WIDE_COLUMNS and row_pairs(rows, mode) > narrow_warps
-    return WIDE_TILING if wide else NARROW_TILING
 
 
 @cuda.jit(device=True, inline=True)
@@ -342,12 +320,13 @@ def gemv_q8_fused_launch(
     norm_weight: Any | None = None,
     eps: float = 0.0,
     sm_count: int,
-    tiling: FusedGemvTiling | None = None,
+    tiling: FusedGemvTiling,
 ) -> Launch:
     """y = W x̂ for one fp32 token x [1, cols] (x̂: RMSNorm'd with `norm_weight` when given, then quantised).
 
     mode "store" writes out [1, rows]; "accumulate" adds into it; "swiglu" takes W = [gate | up] stacked
-    along rows and writes silu(gate x̂) * (up x̂) into out [1, rows/2]. Weight layouts as gemv.py's.
+    along rows and writes silu(gate x̂) * (up x̂) into out [1, rows/2]. Weight layouts as gemv.py's. The grid
+    is sized for `sm_count` SMs; `tiling` is the device's (`DeviceTuning.gemv_tiling`) or a benchmark's.
     """
     rows, words = check_array(weight_quants, "weight quants", np.uint32, 2)
     cols = words * VALUES_PER_WORD
@@ -362,8 +341,6 @@ def gemv_q8_fused_launch(
         check_aligned(norm_weight, "norm weight")
     for array, name in ((weight_quants, "weight quants"), (x, "x")):
         check_aligned(array, name)
-    if tiling is None:
-        tiling = default_tiling(rows, cols, mode, sm_count)
     # No more blocks than the pairs fill: each block stages the whole input (spreading 9B's 4096-row outputs
     # over every block slot made them 0.6-1.1 µs slower on an H200).
     pairs = row_pairs(rows, mode)

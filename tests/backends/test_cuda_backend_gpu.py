@@ -19,9 +19,10 @@ import pytest
 from cmpchat.backends.gpu.model import CudaBackend
 from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS
 from cmpchat.backends.reference.model import ReferenceBackend
-from cmpchat.cudart.raw_launch import RawLaunch, early_launch_enabled
+from cmpchat.cudart.raw_launch import early_launch_allowed
 from cmpchat.demo import ensure_demo_model
 from cmpchat.errors import CmpchatError
+from cmpchat.kernels.device_table import SM_70
 from cmpchat.kernels.gemv import TOKEN_BUCKETS
 from cmpchat.model.gguf_file import ModelFile
 
@@ -149,20 +150,41 @@ def greedy_logits(backend: CudaBackend, prompt: list[int], steps: int) -> np.nda
     return np.stack(logits)
 
 
+def bound_early(backend: CudaBackend) -> list[bool]:
+    """Whether each launch of the one-row decode step's captured graph was bound to start early."""
+    graph = backend.stages[0].decode_steps[1, False].graph
+    assert graph is not None
+    return [raw.early for raw in graph.launches]
+
+
 def test_early_launches_give_the_bits_ordinary_launches_give(monkeypatch: pytest.MonkeyPatch):
     """Programmatic dependent launch (sm_90+) overlaps each decode kernel's start with the one before: a kernel
     touching its inputs before its grid wait would read stale values, and show here as different bits."""
-    if not early_launch_enabled():
-        pytest.skip("this GPU has no programmatic dependent launch (sm_90+)")
     model_file = ModelFile(ensure_demo_model())
     prompt = [9419, 11, 1814, 0, 5]
     backend = CudaBackend(model_file, context=4096)
+    if not (backend.early_launch and early_launch_allowed()):
+        pytest.skip("this GPU's row has no programmatic dependent launch (sm_90+)")
     early = greedy_logits(backend, prompt, 24)
-    assert sum(RawLaunch(launch).early for launch in backend.step_launches(1)) > len(backend.step_launches(1)) // 2
+    assert sum(bound_early(backend)) > len(bound_early(backend)) // 2
     monkeypatch.setenv("CMPCHAT_EARLY_LAUNCH", "0")  # read when each launch is bound, before the graph's capture
     ordinary = CudaBackend(model_file, context=4096)
     assert np.array_equal(early.view(np.uint32), greedy_logits(ordinary, prompt, 24).view(np.uint32))
-    assert not any(RawLaunch(launch).early for launch in ordinary.step_launches(1))
+    assert not any(bound_early(ordinary))
+
+
+def test_the_cmps_row_runs_on_this_gpu_with_the_same_bits():
+    """A backend given another device's row (the CMP's sm_70) builds its steps with it on this GPU: no early
+    launch, the sm_70 tilings. A short prompt runs no GEMM, the one tiling that differs; early launch and the
+    split counts (the same in both rows at this SM count) do not change a bit, so the logits are the GPU row's."""
+    model_file = ModelFile(ensure_demo_model())
+    prompt = [9419, 11, 1814, 0, 5]
+    cmp_row = CudaBackend(model_file, context=4096, tuning=SM_70)
+    assert cmp_row.stages[0].tuning is SM_70 and not cmp_row.early_launch
+    logits = greedy_logits(cmp_row, prompt, 24)
+    assert not any(bound_early(cmp_row))
+    own = CudaBackend(model_file, context=4096)
+    assert np.array_equal(logits.view(np.uint32), greedy_logits(own, prompt, 24).view(np.uint32))
 
 
 def test_warm_up_prepares_every_step_and_leaves_no_trace():

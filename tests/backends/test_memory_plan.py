@@ -7,6 +7,7 @@ import pytest
 from cmpchat.backends.gpu.kv_layout import FP16
 from cmpchat.backends.gpu.memory_plan import StagePlan, plan_stage
 from cmpchat.errors import CmpchatError
+from cmpchat.kernels.device_table import SIMULATOR_TUNING, SM_70, SM_90
 from cmpchat.model.builder import MODEL_SHAPES, tensor_specs
 from cmpchat.model.config import LayerKind, ModelConfig
 
@@ -106,14 +107,15 @@ def test_kv_tokens_below_one_sequence_says_which_option_to_raise():
 @pytest.mark.parametrize("sm_count", [68, 132])
 def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_count):
     """The plan reserves what `PromptBuffers.allocate` takes (simulator arrays are numpy, so their sizes are
-    counted on the CPU), and it stays small beside the weights (the 0.8B's 43 MB on 132 SMs: 5.4%)."""
+    counted on the CPU), and it stays small beside the weights (the 0.8B's 43 MB on 132 SMs: 5.4%, in the
+    simulator's tiling)."""
     from dataclasses import fields, is_dataclass
 
     from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
 
     config, weights, largest = config_of(shape_name)
-    reserved = PromptBuffers.reserved_bytes(config, sm_count, PROMPT_ROWS, pages_per_row=32)
-    buffers = PromptBuffers.allocate(config, sm_count, PROMPT_ROWS, pages_per_row=32)
+    reserved = PromptBuffers.reserved_bytes(config, SIMULATOR_TUNING, sm_count, PROMPT_ROWS, pages_per_row=32)
+    buffers = PromptBuffers.allocate(config, SIMULATOR_TUNING, sm_count, PROMPT_ROWS, pages_per_row=32)
 
     def nbytes(value) -> int:  # an array, or the chunked Gated DeltaNet's workspace of arrays
         return sum(nbytes(getattr(value, f.name)) for f in fields(value)) if is_dataclass(value) else value.nbytes
@@ -128,3 +130,28 @@ def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_
 
 NOT_ALLOCATED = {"tokens", "positions", "attention", "_known_pages"}
 """Views of `inputs`, the attention split config and what the device's page table holds."""
+
+
+@pytest.mark.parametrize("shape_name", ["0.8B", "9B", "27B"])
+@pytest.mark.parametrize(
+    "row, sm_count", [(SM_70, 68), (SM_70, 80), (SM_90, 132)], ids=["sm_70-68", "sm_70-80", "sm_90"]
+)
+def test_the_gpu_rows_long_prompt_step_is_reserved_as_allocated(shape_name, row, sm_count):
+    """The same for the CMP's and the H200's rows of the device table (their prefill attention tiling, split for
+    their SM counts): the plan reserves what loading allocates, under a tenth of the weights (the 0.8B's 68 MB
+    on the H200: 8.5%)."""
+    from dataclasses import fields
+
+    from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
+
+    config, weights, _ = config_of(shape_name)
+    reserved = PromptBuffers.reserved_bytes(config, row, sm_count, PROMPT_ROWS, pages_per_row=32)
+    buffers = PromptBuffers.allocate(config, row, sm_count, PROMPT_ROWS, pages_per_row=32)
+    assert buffers.attention == row.prefill_attention_config(
+        PROMPT_ROWS, config.num_heads, config.num_kv_heads, sm_count
+    )
+    arrays = [getattr(buffers, f.name) for f in fields(buffers) if f.name not in NOT_ALLOCATED | {"gdn_workspace"}]
+    workspace = buffers.gdn_workspace
+    assert workspace is not None
+    allocated = sum(a.nbytes for a in arrays) + sum(getattr(workspace, f.name).nbytes for f in fields(workspace))
+    assert allocated == reserved < 0.1 * weights

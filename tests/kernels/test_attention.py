@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from cmpchat.backends.gpu.device import gpu_info
 from cmpchat.backends.reference.attention import GatedAttention, PagedKv
 from cmpchat.backends.reference.layers import Linear, apply_rope, rms_norm, rope_angles
 from cmpchat.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
+from cmpchat.kernels.device_table import SM_70, SM_90, default_tuning
 from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
 from cmpchat.model.config import LayerKind, ModelConfig
 
@@ -235,10 +237,12 @@ def test_launcher_rejects_bad_arguments() -> None:
 
 
 def test_splits_fill_the_gpu() -> None:
-    assert DecodeAttentionConfig.splits_for(1, 16, 4, 68).num_splits == 68  # 4 blocks per SM at G=4
-    assert DecodeAttentionConfig.splits_for(1, 24, 4, 132).num_splits == 66  # 2 at G=6
-    assert DecodeAttentionConfig.splits_for(16, 16, 4, 132, blocks_per_sm=8).num_splits == 17
-    assert DecodeAttentionConfig.splits_for(1, 4, 1, 100_000).num_splits == 1024
+    assert SM_70.decode_attention_config(1, 16, 4, 68).num_splits == 68  # 4 blocks per SM at G=4
+    assert SM_90.decode_attention_config(1, 24, 4, 132).num_splits == 66  # 2 at G=6
+    assert SM_90.decode_attention_config(1, 12, 4, 132).num_splits == 132  # other G: 4
+    assert DecodeAttentionConfig.splits_for(16, 4, 132, blocks_per_sm=8).num_splits == 17
+    assert SM_90.decode_attention_config(1, 4, 1, 100_000).num_splits == 1024
+    assert SM_90.decode_attention_config(1, 16, 4, 132) == DecodeAttentionConfig(132, 32, warps=4, unroll=4)
 
 
 @pytest.mark.gpu
@@ -247,8 +251,8 @@ def test_contexts_1_1000_32768_on_gpu(num_heads: int) -> None:
     cfg = attention_config(num_heads, 4, 256, 64, (11, 11, 10, 0))
     thw = np.array([[0, 0, 0], [1200, 37, 55], [32767, 32767, 32767]])  # row 1 is an image token
     case = DecodeCase(cfg, [0, 999, 32767], page_tokens=256, seed=4, thw=thw)
-    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    check_step(case, DecodeAttentionConfig.splits_for(3, num_heads, 4, sms))
+    gpu = gpu_info(0)
+    check_step(case, default_tuning(gpu).decode_attention_config(3, num_heads, 4, gpu.multiprocessors))
 
 
 @pytest.mark.gpu
@@ -258,7 +262,8 @@ def test_full_batch_per_slot_layout_on_gpu() -> None:
     history = list(np.random.default_rng(5).integers(0, 4095, 16))
     history[3] = -1
     case = DecodeCase(cfg, history, page_tokens=4096, seed=5)
-    check_step(case, DecodeAttentionConfig.splits_for(16, 24, 4, cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    gpu = gpu_info(0)
+    check_step(case, default_tuning(gpu).decode_attention_config(16, 24, 4, gpu.multiprocessors))
 
 
 @pytest.mark.gpu

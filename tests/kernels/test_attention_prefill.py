@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from cmpchat.backends.gpu.device import gpu_info
 from cmpchat.kernels.attention import DecodeAttentionConfig, decode_attention
 from cmpchat.kernels.attention import partial_buffer_shapes as decode_buffer_shapes
 from cmpchat.kernels.attention_prefill import (
@@ -27,6 +28,7 @@ from cmpchat.kernels.attention_prefill import (
     partial_buffer_shapes,
     prefill_attention,
 )
+from cmpchat.kernels.device_table import default_tuning
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -245,8 +247,8 @@ GPU_SHAPES = {"9B": (16, 4), "27B": (24, 4)}
 
 
 def gpu_config(num_heads: int, num_kv_heads: int, rows: int) -> PrefillAttentionConfig:
-    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    return PrefillAttentionConfig.splits_for(rows, num_heads, num_kv_heads, sms)
+    gpu = gpu_info(0)
+    return default_tuning(gpu).prefill_attention_config(rows, num_heads, num_kv_heads, gpu.multiprocessors)
 
 
 @pytest.mark.gpu
@@ -274,8 +276,8 @@ def test_matches_decode_attention_on_gpu(model):
     heads, kv_heads = GPU_SHAPES[model]
     case = PrefillCase(heads, kv_heads, 256, 256, 5000, page_tokens=256, seed=8)
     prefill = run_prefill(case, gpu_config(heads, kv_heads, 256))
-    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    decode = run_decode(case, DecodeAttentionConfig.splits_for(256, heads, kv_heads, sms))
+    gpu = gpu_info(0)
+    decode = run_decode(case, default_tuning(gpu).decode_attention_config(256, heads, kv_heads, gpu.multiprocessors))
     assert_close(prefill, decode.astype(np.float64), 2e-5)
 
 

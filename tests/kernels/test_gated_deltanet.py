@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from cmpchat.backends.gpu.device import gpu_info
 from cmpchat.backends.reference.gated_deltanet import GatedDeltaNet, RecurrentState
 from cmpchat.backends.reference.layers import Linear
 from cmpchat.bench.kernels.gdn_step import benchmark_decode_step
 from cmpchat.cudart.graph import LaunchGraph
+from cmpchat.kernels.device_table import default_tuning
 from cmpchat.kernels.gated_deltanet import (
     GatedDeltaNetShape,
     GatedDeltaNetWeights,
@@ -104,6 +106,12 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rel: float, what: str
     assert error <= rel * scale, f"{what}: max error {error:.3g} vs max |value| {scale:.3g} (rel {error / scale:.3g})"
 
 
+def launches_early() -> bool:
+    """Whether the engine would start these kernels early on this GPU (its row of the device table)."""
+    gpu = gpu_info(0)
+    return default_tuning(gpu).launches_early(gpu)
+
+
 def run_steps(layer: Layer, slot_plan: list[list[int]], num_slots: int, rng: np.random.Generator, *,
               separate_mixed: bool = False, rel: float = 1e-5, zero_state: bool = False,
               graph: bool = False) -> None:  # fmt: skip
@@ -129,7 +137,7 @@ def run_steps(layer: Layer, slot_plan: list[list[int]], num_slots: int, rng: np.
             launches = decode_step(
                 shape, layer.weights, projection_device, conv_device, delta_device, slots_device, out_device, mixed
             )
-            captured = LaunchGraph.capture(launches, stream) if graph else None
+            captured = LaunchGraph.capture(launches, stream, early_launch=launches_early()) if graph else None
         else:  # same buffers, new contents: the captured graph reads them at replay
             projection_device.copy_to_device(projection, stream=stream)
             slots_device.copy_to_device(slot_array, stream=stream)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cmpchat.backends.gpu.device import gpu_info
 from cmpchat.bench.kernels.gemm import PREFILL_SHAPES, benchmark_gemm
+from cmpchat.kernels.device_table import default_tuning
 from cmpchat.kernels.gemm import SWEEP_TILINGS, GemmTiling, gemm_q8_launch
 from cmpchat.kernels.throughput_probes import DP4A_PROBE, compute_rate
 from tests.kernels.q8_reference import device, q8_problem
@@ -33,11 +35,12 @@ def check_gemm(rows: int, cols: int, mode: str, tokens: int, tiling: GemmTiling 
         device(x_quants[:tokens].view(np.uint32)),
         device(x_scales[:tokens]),
     )
-    options = {"mode": mode} if tiling is None else {"mode": mode, "tiling": tiling}
+    if tiling is None:  # what the GPU's row of the device table runs
+        tiling = default_tuning(gpu_info(0)).gemm
     if mode == "swiglu":
         half = rows // 2
         out = device(np.zeros((tokens, half), np.float32))
-        gemm_q8_launch(*args, out, **options).run()
+        gemm_q8_launch(*args, out, mode=mode, tiling=tiling).run()
         gate, up = expected[:, :half], expected[:, half:]
         reference = gate / (1 + np.exp(-gate)) * up
         bound = 1e-5 * (magnitude[:, :half] * np.abs(up) + np.abs(gate) * magnitude[:, half:]) + 1e-6 * np.abs(
@@ -47,11 +50,11 @@ def check_gemm(rows: int, cols: int, mode: str, tokens: int, tiling: GemmTiling 
     elif mode == "accumulate":
         residual = np.random.default_rng(1).standard_normal((tokens, rows)).astype(np.float32)
         out = device(residual)
-        gemm_q8_launch(*args, out, **options).run()
+        gemm_q8_launch(*args, out, mode=mode, tiling=tiling).run()
         assert_close(out.copy_to_host(), expected + residual, magnitude + np.abs(residual))
     else:
         out = device(np.zeros((tokens, rows), np.float32))
-        gemm_q8_launch(*args, out, **options).run()
+        gemm_q8_launch(*args, out, mode=mode, tiling=tiling).run()
         assert_close(out.copy_to_host(), expected, magnitude)
 
 

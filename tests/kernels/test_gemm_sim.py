@@ -7,6 +7,7 @@ partial last one, SwiGLU row pairs, the GPU's multi-warp tilings."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +22,9 @@ from cmpchat.kernels.gemm import (
     SM70_TILING,
     SWEEP_TILINGS,
     GemmTiling,
-    default_tiling,
     gemm_grid,
     gemm_q8_launch,
     matmul_kind,
-    tiling_for,
 )
 from cmpchat.kernels.gemv import repack_q8_0
 from cmpchat.model.gguf_file import ModelFile
@@ -162,26 +161,27 @@ def test_launcher_rejects_bad_arguments() -> None:
     quants, scales = repack_q8_0(random_q8(rng, 4, 64), 4, 64)
     x_quants, x_scales = activations(rng.standard_normal((20, 64)).astype(np.float32))
     out = np.zeros((20, 4), np.float32)
-    gemm_q8_launch(quants, scales, x_quants, x_scales, out)  # the valid call
+    launch = partial(gemm_q8_launch, tiling=SIMULATOR_TILING)
+    launch(quants, scales, x_quants, x_scales, out)  # the valid call
     with pytest.raises(ValueError, match="weight scales"):
-        gemm_q8_launch(quants, scales.astype(np.float32), x_quants, x_scales, out)
+        launch(quants, scales.astype(np.float32), x_quants, x_scales, out)
     with pytest.raises(ValueError, match="activation quants"):
-        gemm_q8_launch(quants, scales, x_quants[:, :8].copy(), x_scales, out)
+        launch(quants, scales, x_quants[:, :8].copy(), x_scales, out)
     with pytest.raises(ValueError, match="activation scales"):
-        gemm_q8_launch(quants, scales, x_quants, x_scales[:19].copy(), out)
+        launch(quants, scales, x_quants, x_scales[:19].copy(), out)
     with pytest.raises(ValueError, match="out"):
-        gemm_q8_launch(quants, scales, x_quants, x_scales, np.zeros((20, 2), np.float32))
+        launch(quants, scales, x_quants, x_scales, np.zeros((20, 2), np.float32))
     with pytest.raises(ValueError, match="mode"):
-        gemm_q8_launch(quants, scales, x_quants, x_scales, out, mode="add")
+        launch(quants, scales, x_quants, x_scales, out, mode="add")
     with pytest.raises(ValueError, match="even row count"):
-        gemm_q8_launch(quants[:3].copy(), scales[:3].copy(), x_quants, x_scales, out[:, :1].copy(), mode="swiglu")
+        launch(quants[:3].copy(), scales[:3].copy(), x_quants, x_scales, out[:, :1].copy(), mode="swiglu")
     with pytest.raises(ValueError, match="multiple of 32"):
-        gemm_q8_launch(quants[:, :12].copy(), scales[:, :1].copy(), x_quants[:, :12].copy(), x_scales[:, :1], out)
+        launch(quants[:, :12].copy(), scales[:, :1].copy(), x_quants[:, :12].copy(), x_scales[:, :1], out)
     with pytest.raises(ValueError, match="no tokens"):
-        gemm_q8_launch(quants, scales, np.zeros((0, 16), np.uint32), np.zeros((0, 2), np.float32), out[:0])
+        launch(quants, scales, np.zeros((0, 16), np.uint32), np.zeros((0, 2), np.float32), out[:0])
     unaligned = np.zeros(4 * 16 + 1, np.uint32)[1:].reshape(4, 16)
     with pytest.raises(ValueError, match="16-byte boundary"):
-        gemm_q8_launch(unaligned, scales, x_quants, x_scales, out)
+        launch(unaligned, scales, x_quants, x_scales, out)
 
 
 def test_benchmark_shapes_and_op_count() -> None:
@@ -197,9 +197,11 @@ def test_benchmark_shapes_and_op_count() -> None:
     assert timing.tops == pytest.approx(2 * 4096 * 4096 * 512 / 1e-3 / 1e12)
 
 
-def test_default_tiling_is_the_simulators_here_and_every_gpu_default_is_swept() -> None:
-    assert default_tiling() == SIMULATOR_TILING
-    assert tiling_for((7, 0)) == SM70_TILING  # the CMP 100-210
-    assert tiling_for((8, 6)) == tiling_for((9, 0)) == GPU_TILING
+def test_the_device_table_runs_the_simulators_tiling_here_and_every_gpu_row_is_swept() -> None:
+    from cmpchat.kernels.device_table import SIMULATOR_TUNING, DeviceSpec, tuning_for
+
+    assert SIMULATOR_TUNING.gemm == SIMULATOR_TILING
+    assert tuning_for(DeviceSpec((7, 0), 80)).gemm == SM70_TILING  # the CMP 100-210
+    assert tuning_for(DeviceSpec((8, 6), 84)).gemm == tuning_for(DeviceSpec((9, 0), 132)).gemm == GPU_TILING
     assert GPU_TILING in SWEEP_TILINGS and SM70_TILING in SWEEP_TILINGS
     assert SM70_TILING.blocks_per_sm * SM70_TILING.threads // WARP_SIZE == 12  # 168 registers a thread

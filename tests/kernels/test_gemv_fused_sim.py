@@ -11,16 +11,14 @@ import pytest
 from test_gemv_sim import assert_close, expected_product, random_q8
 
 from cmpchat.backends.reference.layers import silu
+from cmpchat.kernels.device_table import SIMULATOR_TUNING, SM_70, SM_90
 from cmpchat.kernels.gemv import repack_q8_0
 from cmpchat.kernels.gemv_fused import (
     GROUP_CHOICES,
-    NARROW_TILING,
     NORM_THREADS,
     SM_THREADS,
     STEP_CHOICES,
-    WIDE_TILING,
     FusedGemvTiling,
-    default_tiling,
     gemv_q8_fused_launch,
     shared_bytes,
 )
@@ -39,6 +37,7 @@ def run_fused(raw, rows, cols, x, mode="store", out=None, norm_weight=None, sm_c
     weight_quants, weight_scales = repack_q8_0(raw, rows, cols)
     if out is None:
         out = np.zeros((1, rows // 2 if mode == "swiglu" else rows), np.float32)
+    tiling = tiling or SIMULATOR_TUNING.gemv_tiling(rows, cols, mode, sm_count)  # as the simulated backend's
     launch = gemv_q8_fused_launch(
         weight_quants,
         weight_scales,
@@ -116,14 +115,17 @@ def test_epilogues_accumulate_and_swiglu() -> None:
 
 
 def test_wide_inputs_take_one_large_block_per_sm_when_a_narrow_grid_would_loop() -> None:
-    warps = 132 * NARROW_TILING.block_threads // 32  # the narrow grid's warps on 132 SMs (2112 on a GPU)
-    assert default_tiling(2 * warps + 2, 4096, "store", 132) == NARROW_TILING  # not wider than WIDE_COLUMNS
-    assert default_tiling(2 * warps + 2, 4096 + 32, "store", 132) == WIDE_TILING
-    assert default_tiling(2 * warps, 12288, "accumulate", 132) == NARROW_TILING  # a warp for each pair
-    assert default_tiling(2 * warps + 1, 12288, "store", 132) == WIDE_TILING  # one pair more (a lone row)
-    assert default_tiling(4 * warps, 12288, "swiglu", 132) == WIDE_TILING  # SwiGLU pairs gate with up rows
-    assert default_tiling(2 * warps, 12288, "swiglu", 132) == NARROW_TILING
-    assert default_tiling(2 * warps, 12288, "store", 80) == WIDE_TILING  # fewer SMs, fewer narrow warps
+    row = SM_90
+    narrow, wide = row.gemv_narrow, row.gemv_wide
+    assert (narrow.groups, narrow.blocks_per_sm, wide.groups, wide.blocks_per_sm) == (2, 1, 3, 1)  # 16, 24 warps
+    warps = 132 * narrow.block_threads // 32  # the narrow grid's warps on 132 SMs (2112 on a GPU)
+    assert row.gemv_tiling(2 * warps + 2, 4096, "store", 132) == narrow  # not wider than gemv_wide_columns
+    assert row.gemv_tiling(2 * warps + 2, 4096 + 32, "store", 132) == wide
+    assert row.gemv_tiling(2 * warps, 12288, "accumulate", 132) == narrow  # a warp for each pair
+    assert row.gemv_tiling(2 * warps + 1, 12288, "store", 132) == wide  # one pair more (a lone row)
+    assert row.gemv_tiling(4 * warps, 12288, "swiglu", 132) == wide  # SwiGLU pairs gate with up rows
+    assert row.gemv_tiling(2 * warps, 12288, "swiglu", 132) == narrow
+    assert SM_70.gemv_tiling(2 * warps, 12288, "store", 80) == SM_70.gemv_wide  # fewer SMs, fewer narrow warps
 
 
 def test_launcher_checks_shapes_and_sizes_shared_memory() -> None:
@@ -131,11 +133,12 @@ def test_launcher_checks_shapes_and_sizes_shared_memory() -> None:
     raw = random_q8(rng, 4, 64)
     quants, scales = repack_q8_0(raw, 4, 64)
     with pytest.raises(ValueError, match="x must have shape"):
-        gemv_q8_fused_launch(quants, scales, np.zeros((2, 64), np.float32), np.zeros((1, 4), np.float32), sm_count=1)
+        gemv_q8_fused_launch(quants, scales, np.zeros((2, 64), np.float32), np.zeros((1, 4), np.float32), sm_count=1,
+                             tiling=FusedGemvTiling())  # fmt: skip
     with pytest.raises(ValueError, match="norm weight"):
         gemv_q8_fused_launch(
             quants, scales, np.zeros((1, 64), np.float32), np.zeros((1, 4), np.float32),
-            norm_weight=np.zeros(32, np.float32), sm_count=1,
+            norm_weight=np.zeros(32, np.float32), sm_count=1, tiling=FusedGemvTiling(),
         )  # fmt: skip
     # 64 columns = 16 words, padded to one iteration: 256 words at 2 steps (1 KB of quants + 128 B of
     # scales), 512 at 4.

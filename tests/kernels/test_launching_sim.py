@@ -88,7 +88,7 @@ def test_the_decode_kernels_that_may_start_early_are_marked_and_the_combine_is_n
     and the batched one are, the attention combine is not (it made 4K-32K steps slower). The simulator never
     launches early, and says so."""
     from cmpchat.cudart.compile import is_early_launch
-    from cmpchat.cudart.raw_launch import early_launch_enabled
+    from cmpchat.cudart.raw_launch import early_launch_allowed
     from cmpchat.kernels import attention, elementwise, gated_deltanet, gemv, gemv_fused, qk_norm_rope, quantize
 
     early = [
@@ -107,4 +107,6 @@ def test_the_decode_kernels_that_may_start_early_are_marked_and_the_combine_is_n
     ]
     assert all(is_early_launch(dispatcher) for dispatcher in early)
     assert not is_early_launch(attention.attention_combine)
-    assert not early_launch_enabled()
+    assert not early_launch_allowed()
+    values = np.ones(32, np.float32)
+    assert not RawLaunch(Launch(quantize.quantize_rows, 1, 32, (values,)), early_launch=True).early

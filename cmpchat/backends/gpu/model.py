@@ -26,14 +26,14 @@ from cmpchat.backends.base import Backend, Chosen, Logits, Progress, Selector, T
 from cmpchat.backends.gpu.device import GpuInfo, gpu_info, usable_bytes
 from cmpchat.backends.gpu.kv_layout import FP16, KvLayout
 from cmpchat.backends.gpu.memory_plan import MAX_SEQUENCES, PAGE_TOKENS, StagePlan, plan_stage
-from cmpchat.backends.gpu.prompt_step import KEY_TILE, PROMPT_ROWS, PromptBuffers
+from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
 from cmpchat.backends.gpu.sampler import GpuChoice, GpuSampler
 from cmpchat.backends.gpu.stage import Stage
 from cmpchat.backends.gpu.step import MAX_ROWS, StepBuffers
 from cmpchat.backends.gpu.weights import stage_weight_bytes
 from cmpchat.backends.kv_pool import PageCopy, PageList, PagePool, PoolExhausted
 from cmpchat.errors import CmpchatError
-from cmpchat.kernels.attention import DecodeAttentionConfig
+from cmpchat.kernels.device_table import DeviceTuning, default_tuning
 from cmpchat.kernels.gemv import TOKEN_BUCKETS, token_bucket
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
@@ -78,14 +78,18 @@ class CudaBackend(Backend[CudaSequence]):
         layout: KvLayout = FP16,
         page_tokens: int | None = None,
         progress: Progress | None = None,
+        tuning: DeviceTuning | None = None,
     ) -> None:
+        """`tuning`: the launch choices to run (`kernels/device_table.py`); default, the GPU's own row
+        (`default_tuning`: the one CMPCHAT_TUNING names, if set)."""
         self.config = config = config or ModelConfig.from_model_file(model_file)
         self.use_graphs = use_graphs
         self.max_sequences = min(sequences + saved_states, MAX_SEQUENCES)
         self.gpu = gpu_info(0)
+        self.tuning = tuning or default_tuning(self.gpu)
         plan = self.memory_plan(
             model_file, config, sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem,
-            layout=layout, page_tokens=page_tokens, gpu=self.gpu,
+            layout=layout, page_tokens=page_tokens, gpu=self.gpu, tuning=self.tuning,
         )  # fmt: skip
         self.plans = [plan]
         last_index = len(self.plans) - 1
@@ -102,8 +106,8 @@ class CudaBackend(Backend[CudaSequence]):
                 progress("loading weights onto the GPU", min(uploaded, total), total)
 
         self.stages = [
-            Stage.load(i, self.gpu, p, model_file, config, layout, first=i == 0, last=i == len(self.plans) - 1,
-                       use_graphs=use_graphs, on_upload=on_upload)
+            Stage.load(i, self.gpu, self.tuning, p, model_file, config, layout, first=i == 0,
+                       last=i == len(self.plans) - 1, use_graphs=use_graphs, on_upload=on_upload)
             for i, p in enumerate(self.plans)
         ]  # fmt: skip
         if progress is not None:
@@ -128,15 +132,18 @@ class CudaBackend(Backend[CudaSequence]):
         layout: KvLayout = FP16,
         page_tokens: int | None = None,
         gpu: GpuInfo | None = None,
+        tuning: DeviceTuning | None = None,
     ) -> StagePlan:
         """What loading would allocate on GPU 0 for `sequences` sequence states (running and saved): the weights,
         their states, the step buffers and a KV pool of what is left; raises CmpchatError when the pool cannot
-        hold even a short context. `gpu`: GPU 0 as already read (else it is read here)."""
+        hold even a short context. `gpu`: GPU 0 as already read (else it is read here); `tuning`: the launch
+        choices loading would run (default, the GPU's: `default_tuning`)."""
         info = gpu or gpu_info(0)
+        tuning = tuning or default_tuning(info)
         layers = range(config.num_layers)
-        page_tokens = _page_tokens(config, page_tokens or PAGE_TOKENS)
+        page_tokens = _page_tokens(config, page_tokens or PAGE_TOKENS, tuning)
         pages_per_row = -(-min(context or config.context_length, config.context_length) // page_tokens)
-        step_scratch = PromptBuffers.reserved_bytes(config, info.multiprocessors, PROMPT_ROWS, pages_per_row)
+        step_scratch = PromptBuffers.reserved_bytes(config, tuning, info.multiprocessors, PROMPT_ROWS, pages_per_row)
         step_scratch += StepBuffers.page_table_bytes(pages_per_row)
         return plan_stage(
             config,
@@ -167,7 +174,8 @@ class CudaBackend(Backend[CudaSequence]):
     def describe(self) -> list[str]:
         lines = []
         for stage in self.stages:
-            lines += [f"GPU {stage.gpu.index} ({stage.gpu.name}), stage {stage.index}: memory plan"]
+            gpu = f"GPU {stage.gpu.index} ({stage.gpu.name})"
+            lines += [f"{gpu}, stage {stage.index}, tuning {stage.tuning.name}: memory plan"]
             lines += [f"  {line}" for line in stage.plan.describe()]
         return lines
 
@@ -447,6 +455,11 @@ class CudaBackend(Backend[CudaSequence]):
         """The only stage's stream (benchmarks time and profile on it)."""
         return self.stages[0].stream
 
+    @property
+    def early_launch(self) -> bool:
+        """Whether the only stage's steps start early-launch kernels early (benchmarks profile them so)."""
+        return self.stages[0].early_launch
+
     def skip_ahead(self, sequence: CudaSequence, length: int) -> None:
         """Benchmarks only: make `sequence` `length` tokens long without running those tokens. Its cached keys
         and values are zeros, so the next steps read (and cost) what a real context that long does."""
@@ -460,9 +473,9 @@ class CudaBackend(Backend[CudaSequence]):
         sequence.next_position = length
 
 
-def _page_tokens(config: ModelConfig, wanted: int) -> int:
+def _page_tokens(config: ModelConfig, wanted: int, tuning: DeviceTuning) -> int:
     """The KV page size nearest above `wanted` that holds whole tiles of both attention kernels."""
-    tile = int(np.lcm(DecodeAttentionConfig(num_splits=1).tile_tokens(config.head_dim), KEY_TILE))
+    tile = tuning.page_tile(config.head_dim)
     return -(-wanted // tile) * tile
 
 

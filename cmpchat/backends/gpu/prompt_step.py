@@ -34,12 +34,8 @@ from cmpchat.backends.gpu.states import RecurrentStates
 from cmpchat.backends.gpu.step import MatmulInputs
 from cmpchat.backends.gpu.weights import AttentionWeights, RecurrentWeights, StageWeights
 from cmpchat.cudart.launch import Launch
-from cmpchat.kernels.attention_prefill import (
-    ENGINE_TILING,
-    PrefillAttentionConfig,
-    partial_buffer_shapes,
-    prefill_attention,
-)
+from cmpchat.kernels.attention_prefill import PrefillAttentionConfig, partial_buffer_shapes, prefill_attention
+from cmpchat.kernels.device_table import DeviceTuning
 from cmpchat.kernels.elementwise import embed_q8_0
 from cmpchat.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.kernels.gated_deltanet_chunked import (
@@ -54,10 +50,6 @@ from cmpchat.model.config import ModelConfig
 PROMPT_ROWS = 256
 """Tokens per long-prompt step: well into the GEMM's dp4a-bound regime (from ~64 tokens on a CMP), while
 the activations stay small (~90 MB at 27B) and a prompt's tail below it takes the 16-row step."""
-
-
-KEY_TILE = PrefillAttentionConfig(num_splits=1, **ENGINE_TILING).tile_keys
-"""Keys per tile of the step's attention: cache pages must hold whole tiles."""
 
 
 def prompt_step_supported(config: ModelConfig, weights: StageWeights) -> str | None:
@@ -106,14 +98,13 @@ class PromptBuffers:
     """The pages the device's page table holds."""
 
     @staticmethod
-    def attention_config(config: ModelConfig, rows: int, sm_count: int) -> PrefillAttentionConfig:
-        """How the step's attention is split over keys to fill `sm_count` SMs."""
-        return PrefillAttentionConfig.splits_for(rows, config.num_heads, config.num_kv_heads, sm_count,
-                                                 **ENGINE_TILING)  # fmt: skip
+    def attention_config(config: ModelConfig, tuning: DeviceTuning, sm_count: int, rows: int) -> PrefillAttentionConfig:
+        """How the step's attention is tiled (`tuning`'s) and split over keys to fill `sm_count` SMs."""
+        return tuning.prefill_attention_config(rows, config.num_heads, config.num_kv_heads, sm_count)
 
     @classmethod
     def layout(
-        cls, config: ModelConfig, sm_count: int, rows: int, pages_per_row: int = 1
+        cls, config: ModelConfig, tuning: DeviceTuning, sm_count: int, rows: int, pages_per_row: int = 1
     ) -> dict[str, tuple[tuple[int, ...], Any]]:
         """Shape and dtype of every buffer the step allocates (the rows' inputs as one int32 array)."""
         d = config.hidden_size
@@ -122,7 +113,7 @@ class PromptBuffers:
             config.conv_dim + config.num_v_heads * config.v_head_dim + 2 * config.num_v_heads,
         )
         mixed = max(config.num_heads * config.head_dim, config.num_v_heads * config.v_head_dim, config.ffn_size)
-        attention = cls.attention_config(config, rows, sm_count)
+        attention = cls.attention_config(config, tuning, sm_count, rows)
         acc_shape, ml_shape = partial_buffer_shapes(rows, config.num_heads, config.head_dim, attention)
         f32, u32 = np.float32, np.uint32
         return {
@@ -144,10 +135,12 @@ class PromptBuffers:
         }
 
     @classmethod
-    def reserved_bytes(cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS, pages_per_row: int = 1) -> int:
+    def reserved_bytes(
+        cls, config: ModelConfig, tuning: DeviceTuning, sm_count: int, rows: int = PROMPT_ROWS, pages_per_row: int = 1
+    ) -> int:
         """What `allocate` takes on the GPU, for the memory plan."""
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
-        layout = cls.layout(config, sm_count, rows, pages_per_row)
+        layout = cls.layout(config, tuning, sm_count, rows, pages_per_row)
         arrays = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
         workspace = (
             ChunkWorkspace.nbytes(GatedDeltaNetShape.from_config(config), rows) if config.recurrent_layers else 0
@@ -156,9 +149,9 @@ class PromptBuffers:
 
     @classmethod
     def allocate(
-        cls, config: ModelConfig, sm_count: int, rows: int = PROMPT_ROWS, pages_per_row: int = 1
+        cls, config: ModelConfig, tuning: DeviceTuning, sm_count: int, rows: int = PROMPT_ROWS, pages_per_row: int = 1
     ) -> PromptBuffers:
-        layout = cls.layout(config, sm_count, rows, pages_per_row)
+        layout = cls.layout(config, tuning, sm_count, rows, pages_per_row)
         arrays = {name: zeros(shape, dtype) for name, (shape, dtype) in layout.items()}
         inputs = arrays["inputs"]
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
@@ -166,7 +159,7 @@ class PromptBuffers:
             **arrays,
             tokens=inputs[:rows],
             positions=inputs[rows:].reshape(rows, 4),
-            attention=cls.attention_config(config, rows, sm_count),
+            attention=cls.attention_config(config, tuning, sm_count, rows),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
             gdn_workspace=(
@@ -213,15 +206,17 @@ def prompt_launches(
     buffers: PromptBuffers,
     slot: int,
     sm_count: int,
+    tuning: DeviceTuning,
 ) -> list[Launch]:
-    """Every launch of one long-prompt step of a stage's layers for sequence state slot `slot`, in order."""
+    """Every launch of one long-prompt step of a stage's layers for sequence state slot `slot`, in order (grids
+    for `sm_count` SMs, `tuning`'s tilings; the attention's is the buffers', `buffers.attention`)."""
     b = buffers
     rows = b.rows
     hidden = b.hidden
     eps = config.rms_eps
     gdn_shape = GatedDeltaNetShape.from_config(config)
 
-    inputs = MatmulInputs(b, rows, eps, sm_count)
+    inputs = MatmulInputs(b, rows, eps, sm_count, tuning)
 
     launches = []
     if weights.embedding is not None:
@@ -253,6 +248,6 @@ def prompt_launches(
         launches += inputs.normed(layer.gate_up, hidden, layer.mlp_norm, activated, mode="swiglu")
         launches += inputs.project_into(layer.down, activated, hidden)
     if weights.lm_head is not None:
-        last = MatmulInputs(b, 1, eps, sm_count)  # the last row alone: the fused one-token GEMV
+        last = MatmulInputs(b, 1, eps, sm_count, tuning)  # the last row alone: the fused one-token GEMV
         launches += last.normed(weights.lm_head, hidden[rows - 1 :], weights.output_norm, b.logits)
     return launches

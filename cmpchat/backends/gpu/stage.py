@@ -3,7 +3,8 @@
 Its weights (and the embedding if it is the first stage, the output norm and LM head if it is the last), the KV
 pages of its attention layers, the recurrent states of its GDN layers for every sequence slot, its step
 buffers, its stream, its captured steps and its memory plan. Nothing here asks CUDA for "the current device":
-the stage's device is made current around everything it allocates or launches.
+the stage's device is made current around everything it allocates or launches, and the stage is given its
+tuning row (`kernels/device_table.py`: tilings, split counts, early launch), which every step it builds takes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cmpchat.backends.gpu.step import AttentionSplits, StepBuffers, decode_launc
 from cmpchat.backends.gpu.weights import StageWeights, upload_stage_weights
 from cmpchat.cudart.graph import StepLaunches
 from cmpchat.cudart.intrinsics import SIMULATOR
+from cmpchat.kernels.device_table import DeviceTuning
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
@@ -32,6 +34,8 @@ from cmpchat.model.gguf_file import ModelFile
 class Stage:
     index: int
     gpu: GpuInfo
+    tuning: DeviceTuning
+    """The launch choices the stage's steps are built with: its GPU's row, or another a test or benchmark runs."""
     plan: StagePlan
     config: ModelConfig
     weights: StageWeights
@@ -59,6 +63,11 @@ class Stage:
     def layers(self) -> range:
         return self.plan.layers
 
+    @property
+    def early_launch(self) -> bool:
+        """Whether the stage's captured steps start early-launch kernels early: its row asks and its GPU can."""
+        return self.tuning.launches_early(self.gpu)
+
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
         """Make this stage's GPU the current one (no-op under the simulator)."""
@@ -73,6 +82,7 @@ class Stage:
         cls,
         index: int,
         gpu: GpuInfo,
+        tuning: DeviceTuning,
         plan: StagePlan,
         model_file: ModelFile,
         config: ModelConfig,
@@ -91,10 +101,11 @@ class Stage:
             pages_per_row = -(-plan.context_limit // plan.page_tokens)
             prompt = None
             if prompt_step_supported(config, weights) is None:
-                prompt = PromptBuffers.allocate(config, gpu.multiprocessors, PROMPT_ROWS, pages_per_row)
+                prompt = PromptBuffers.allocate(config, tuning, gpu.multiprocessors, PROMPT_ROWS, pages_per_row)
             return cls(
                 index=index,
                 gpu=gpu,
+                tuning=tuning,
                 plan=plan,
                 config=config,
                 weights=weights,
@@ -117,12 +128,15 @@ class Stage:
         """Replay the decode step of `bucket` rows (built, run eagerly and captured the first time)."""
         step = self.decode_steps.get((bucket, prompt))
         if step is None:
-            splits = AttentionSplits.allocate(self.config, bucket, self.gpu.multiprocessors)  # held by the launches
+            sms = self.gpu.multiprocessors
+            splits = AttentionSplits.allocate(self.config, bucket, sms, self.tuning)  # held by the launches
             launches = decode_launches(
-                self.config, self.weights, self.kv, self.states, self.buffers, splits, bucket,
-                self.gpu.multiprocessors, tokens_per_sequence=bucket if prompt else 1,
+                self.config, self.weights, self.kv, self.states, self.buffers, splits, bucket, sms, self.tuning,
+                tokens_per_sequence=bucket if prompt else 1,
             )  # fmt: skip
-            self.decode_steps[bucket, prompt] = StepLaunches.run_then_capture(launches, self.stream, self.use_graphs)
+            self.decode_steps[bucket, prompt] = StepLaunches.run_then_capture(
+                launches, self.stream, self.use_graphs, early_launch=self.early_launch
+            )
         else:
             step.run(self.stream)
 
@@ -133,12 +147,15 @@ class Stage:
         if slot in self.prompt_steps:
             return
         launches = prompt_launches(
-            self.config, self.weights, self.kv, self.states, self.prompt, slot, self.gpu.multiprocessors
+            self.config, self.weights, self.kv, self.states, self.prompt, slot, self.gpu.multiprocessors, self.tuning
         )
+        early = self.early_launch
         if run:
-            self.prompt_steps[slot] = StepLaunches.run_then_capture(launches, self.stream, self.use_graphs)
+            self.prompt_steps[slot] = StepLaunches.run_then_capture(
+                launches, self.stream, self.use_graphs, early_launch=early
+            )
         else:
-            self.prompt_steps[slot] = StepLaunches(launches, self.stream, self.use_graphs)
+            self.prompt_steps[slot] = StepLaunches(launches, self.stream, self.use_graphs, early_launch=early)
 
     def run_prompt(self, slot: int) -> None:
         step = self.prompt_steps.get(slot)

@@ -31,6 +31,7 @@ from cmpchat.cudart.driver_api import check, stream_handle
 from cmpchat.cudart.intrinsics import SIMULATOR
 from cmpchat.cudart.launch import Launch
 from cmpchat.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
+from cmpchat.kernels.device_table import DeviceTuning
 from cmpchat.kernels.elementwise import embed_q8_0
 from cmpchat.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.kernels.gated_deltanet import decode_step as gdn_decode_step
@@ -218,8 +219,8 @@ class AttentionSplits:
     partial_ml: Any
 
     @classmethod
-    def allocate(cls, model: ModelConfig, rows: int, sm_count: int) -> AttentionSplits:
-        config = DecodeAttentionConfig.splits_for(rows, model.num_heads, model.num_kv_heads, sm_count)
+    def allocate(cls, model: ModelConfig, rows: int, sm_count: int, tuning: DeviceTuning) -> AttentionSplits:
+        config = tuning.decode_attention_config(rows, model.num_heads, model.num_kv_heads, sm_count)
         acc_shape, ml_shape = partial_buffer_shapes(rows, model.num_heads, model.head_dim, config)
         return cls(config, zeros(acc_shape), zeros(ml_shape))
 
@@ -233,6 +234,7 @@ def decode_launches(
     splits: AttentionSplits,
     rows: int,
     sm_count: int,
+    tuning: DeviceTuning,
     *,
     tokens_per_sequence: int = 1,
 ) -> list[Launch]:
@@ -240,14 +242,14 @@ def decode_launches(
     one token of each row's sequence, or (`tokens_per_sequence` = rows) consecutive tokens of one sequence, a
     prompt chunk: each row's K/V lands in the cache before attention reads it, so row i sees the prompt up to
     itself, and the Gated DeltaNet layers take the rows in order. The first stage embeds the tokens; the last
-    turns the hidden states into logits."""
+    turns the hidden states into logits. Grids are sized for `sm_count` SMs, tilings are `tuning`'s."""
     b = buffers
     hidden = b.hidden[:rows]
     launches = []
     if weights.embedding is not None:
         launches.append(embed_q8_0(b.tokens[:rows], weights.embedding.quants, weights.embedding.scales, hidden))
     gdn_shape = GatedDeltaNetShape.from_config(config)
-    inputs = MatmulInputs(b, rows, config.rms_eps, sm_count)
+    inputs = MatmulInputs(b, rows, config.rms_eps, sm_count, tuning)
     for index, layer in weights.layers.items():
         mixer = layer.mixer
         if isinstance(mixer, AttentionWeights):
@@ -314,12 +316,22 @@ def decode_launches(
 class MatmulInputs:
     """How a step prepares each matmul's input: at one row a Q8_0 GEMV normalises and quantises it itself
     (`gemv_fused`); otherwise a launch writes the int8 (and fp32, for float weights) form first, and the
-    batched GEMV (up to 16 rows) or the GEMM (more, `gemm.matmul_kind`) multiplies."""
+    batched GEMV (up to 16 rows) or the GEMM (more, `gemm.matmul_kind`) multiplies, tiled as `tuning` says for
+    `sm_count` SMs."""
 
     b: Any  # StepBuffers, or prompt_step.PromptBuffers: the same activation buffers
     rows: int
     eps: float
     sm_count: int
+    tuning: DeviceTuning
+
+    def fused_launch(
+        self, matrix: DeviceMatrix, x: Any, out: Any, mode: str, norm: Any | None = None, eps: float = 0.0
+    ) -> Launch:
+        """The one-token fused GEMV of `matrix` on x (normalised with `norm` when given), in the row's tiling."""
+        tiling = self.tuning.gemv_tiling(matrix.rows, matrix.cols, mode, self.sm_count)
+        return gemv_q8_fused_launch(matrix.quants, matrix.scales, x, out, mode=mode, norm_weight=norm, eps=eps,
+                                    sm_count=self.sm_count, tiling=tiling)  # fmt: skip
 
     def fused(self, matrix: DeviceMatrix) -> bool:
         return self.rows == 1 and matrix.is_q8_0
@@ -327,34 +339,30 @@ class MatmulInputs:
     def normed(self, matrix: DeviceMatrix, hidden: Any, norm: Any, out: Any, mode: str = "store") -> list[Launch]:
         """out (=, or SwiGLU) matrix @ RMSNorm(hidden) * norm."""
         if self.fused(matrix):
-            return [
-                gemv_q8_fused_launch(matrix.quants, matrix.scales, hidden, out, mode=mode, norm_weight=norm,
-                                     eps=self.eps, sm_count=self.sm_count)
-            ]  # fmt: skip
+            return [self.fused_launch(matrix, hidden, out, mode, norm, self.eps)]
         b, rows = self.b, self.rows
         norm_launch = rms_norm_quantize_launch(
             hidden, norm, self.eps, b.x_quants[:rows], b.x_scales[:rows], b.normalized[:rows]
         )
-        return [norm_launch, _matmul(matrix, b, rows, out, mode)]
+        return [norm_launch, _matmul(matrix, b, rows, out, mode, self.tuning)]
 
     def project_into(self, matrix: DeviceMatrix, activations: Any, hidden: Any) -> list[Launch]:
         """hidden += matrix @ activations (the residual add fused into the GEMV)."""
         if self.fused(matrix):
-            return [
-                gemv_q8_fused_launch(matrix.quants, matrix.scales, activations, hidden, mode="accumulate",
-                                     sm_count=self.sm_count)
-            ]  # fmt: skip
-        return _project_into(matrix, activations, self.b, self.rows, hidden)
+            return [self.fused_launch(matrix, activations, hidden, "accumulate")]
+        return _project_into(matrix, activations, self.b, self.rows, hidden, self.tuning)
 
 
-def _matmul(matrix: DeviceMatrix, b: Any, rows: int, out: Any, mode: str = "store") -> Launch:
+def _matmul(matrix: DeviceMatrix, b: Any, rows: int, out: Any, mode: str, tuning: DeviceTuning) -> Launch:
     """out (=, += or swiglu) matrix @ the normalised input (its int8 form for Q8_0 weights)."""
     if matrix.is_q8_0:
-        return _q8_matmul(matrix, b.x_quants[:rows], b.x_scales[:rows], out, mode)
+        return _q8_matmul(matrix, b.x_quants[:rows], b.x_scales[:rows], out, mode, tuning)
     return _float_matmul(matrix, b.normalized[:rows], out, mode)
 
 
-def _project_into(matrix: DeviceMatrix, activations: Any, b: Any, rows: int, hidden: Any) -> list[Launch]:
+def _project_into(
+    matrix: DeviceMatrix, activations: Any, b: Any, rows: int, hidden: Any, tuning: DeviceTuning
+) -> list[Launch]:
     """hidden += matrix @ activations (the residual add fused into the GEMV)."""
     if not matrix.is_q8_0:
         return [_float_matmul(matrix, activations, hidden, "accumulate")]
@@ -363,14 +371,16 @@ def _project_into(matrix: DeviceMatrix, activations: Any, b: Any, rows: int, hid
     scales = columns(b.m_scales, rows, width // 32)
     return [
         quantize_launch(activations, quants, scales),
-        _q8_matmul(matrix, quants, scales, hidden, "accumulate"),
+        _q8_matmul(matrix, quants, scales, hidden, "accumulate", tuning),
     ]
 
 
-def _q8_matmul(matrix: DeviceMatrix, x_quants: Any, x_scales: Any, out: Any, mode: str) -> Launch:
-    """out (=, += or swiglu) matrix @ int8 activations: the batched GEMV or the GEMM, by row count."""
-    launch = gemm_q8_launch if matmul_kind(x_quants.shape[0]) == "gemm" else gemv_q8_launch
-    return launch(matrix.quants, matrix.scales, x_quants, x_scales, out, mode=mode)
+def _q8_matmul(matrix: DeviceMatrix, x_quants: Any, x_scales: Any, out: Any, mode: str, tuning: DeviceTuning) -> Launch:
+    """out (=, += or swiglu) matrix @ int8 activations: the batched GEMV or the GEMM (in the row's tiling), by
+    row count."""
+    if matmul_kind(x_quants.shape[0]) == "gemm":
+        return gemm_q8_launch(matrix.quants, matrix.scales, x_quants, x_scales, out, mode=mode, tiling=tuning.gemm)
+    return gemv_q8_launch(matrix.quants, matrix.scales, x_quants, x_scales, out, mode=mode)
 
 
 def _float_matmul(matrix: DeviceMatrix, x: Any, out: Any, mode: str) -> Launch:

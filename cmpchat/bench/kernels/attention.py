@@ -5,9 +5,10 @@
 For G = 4 (0.8B-9B: 16 query heads over 4 KV heads) and G = 6 (27B: 24 over 4), head size 256, batch 1,
 it times the split-K partial kernel of each tiling (split count, warps, unroll) with
 `benchmark_decode_attention` and prints the K/V bytes it reads per second beside the device-to-device copy
-bandwidth measured in the same run, then the fastest tiling over the contexts, so `DecodeAttentionConfig`'s
-defaults can be set by measurement (at 32K tokens the partial kernel reads 30% (G=6) to 45% (G=4) of
-the H200's bandwidth, 2026-12-01).
+bandwidth measured in the same run, then the fastest tiling over the contexts, so the device table's decode
+attention tiling (`DeviceTuning.decode_attention`, `device_table.py`) can be set by measurement (at 32K tokens the
+partial kernel reads 30% (G=6) to 45% (G=4) of the H200's bandwidth, 2026-12-01). The default it compares with is
+the GPU's row's (CMPCHAT_TUNING=sm_70: another row's).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 from numba import cuda
 
+from cmpchat.bench.kernels.device import bench_gpu
 from cmpchat.bench.kernels.timing import seconds_per_call
 from cmpchat.kernels.attention import (
     POSITION_COLUMNS,
@@ -30,7 +32,8 @@ LAYOUTS = {"9B (G=4)": (16, 4), "27B (G=6)": (24, 4)}
 WARPS = (2, 4, 8)
 UNROLLS = (2, 4, 8)
 BLOCKS_PER_SM = (2, 4, 8)
-"""Split counts are sized to give each SM this many blocks (`DecodeAttentionConfig.splits_for`)."""
+"""Split counts are sized to give each SM this many blocks (`DecodeAttentionConfig.splits_for`; the device table
+chooses one per G: `DeviceTuning.split_blocks_per_sm`)."""
 
 
 def benchmark_decode_attention(
@@ -45,14 +48,15 @@ def benchmark_decode_attention(
     repeats: int = 20,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Time decode attention (GPU only) with every row at `context` tokens; seconds and GB/s.
+    """Time decode attention (GPU only) with every row at `context` tokens; seconds and GB/s. `config`
+    defaults to the GPU's row's (`DeviceTuning.decode_attention_config`).
 
     kv_gbps: the K and V bytes the step must read (batch*context*Hkv*hd*4) over the partial kernel's time.
     copy_gbps: a device-to-device copy of as many bytes in the same run, read + write counted: the limit
     to compare with (docs/testing.md, "How figures are reported").
     """
-    device = cuda.get_current_device()
-    config = config or DecodeAttentionConfig.splits_for(batch, num_heads, num_kv_heads, device.MULTIPROCESSOR_COUNT)
+    gpu, tuning = bench_gpu()
+    config = config or tuning.decode_attention_config(batch, num_heads, num_kv_heads, gpu.multiprocessors)
     rng = np.random.default_rng(seed)
     pages_per_row = -(-context // page_tokens)
     shape = (batch * pages_per_row, page_tokens, num_kv_heads, head_dim)
@@ -95,14 +99,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
-    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    gpu, tuning = bench_gpu()
+    sm_count = gpu.multiprocessors
     for layout, (heads, kv_heads) in LAYOUTS.items():
-        default = DecodeAttentionConfig.splits_for(1, heads, kv_heads, sm_count)
+        default = tuning.decode_attention_config(1, heads, kv_heads, sm_count)
         totals: dict[DecodeAttentionConfig, float] = {}
         for blocks in BLOCKS_PER_SM:
             for warps in WARPS:
                 for unroll in UNROLLS:
-                    config = replace(DecodeAttentionConfig.splits_for(1, heads, kv_heads, sm_count, blocks), warps=warps,
+                    config = replace(DecodeAttentionConfig.splits_for(1, kv_heads, sm_count, blocks), warps=warps,
                                      unroll=unroll)  # fmt: skip
                     cells = []
                     for context in args.contexts:

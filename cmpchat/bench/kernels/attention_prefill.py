@@ -10,6 +10,7 @@ import argparse
 import numpy as np
 from numba import cuda
 
+from cmpchat.bench.kernels.device import bench_gpu
 from cmpchat.bench.kernels.timing import seconds_per_call
 from cmpchat.kernels.attention import POSITION_COLUMNS
 from cmpchat.kernels.attention_prefill import (
@@ -36,10 +37,11 @@ def benchmark_prefill_attention(
 ) -> dict[str, float]:
     """Time one prefill-attention step (GPU only): `rows` rows ending at cache index context - 1.
 
-    fma_rate: the causal QK and P.V FMAs (`causal_fmas`) per second of the two launches together.
+    fma_rate: the causal QK and P.V FMAs (`causal_fmas`) per second of the two launches together. `config`
+    defaults to the GPU's row's (`DeviceTuning.prefill_attention_config`).
     """
-    device = cuda.get_current_device()
-    config = config or PrefillAttentionConfig.splits_for(rows, num_heads, num_kv_heads, device.MULTIPROCESSOR_COUNT)
+    gpu, tuning = bench_gpu()
+    config = config or tuning.prefill_attention_config(rows, num_heads, num_kv_heads, gpu.multiprocessors)
     rng = np.random.default_rng(seed)
     pages = -(-context // page_tokens)
     shape = (pages, page_tokens, num_kv_heads, head_dim)

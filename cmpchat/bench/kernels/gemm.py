@@ -4,7 +4,8 @@
 count, the time per launch and the rate it does 2 * rows * cols * T ops at (8 ops per dp4a, the counting of
 `throughput_probes`), next to the DP4A rate measured in the same run (`throughput_probes.compute_rate`,
 as `cmpchat doctor`), so the ratio carries over from the H200 to the CMP. `--sweep` times every tiling in
-`gemm.SWEEP_TILINGS` on every shape instead, to choose the default by measurement.
+`gemm.SWEEP_TILINGS` on every shape instead, to choose the device table's tiling by measurement (`device_table.py`;
+CMPCHAT_TUNING=sm_70 makes another row's the default timed).
 
 Shapes are the decode GEMV's (`gemv_bench.QWEN_GEMV_SHAPES`, fused layouts) less the LM head: a prefill
 needs logits for its last token only, which the GEMV computes. Timing as `gemv_bench`: the launches are
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from cmpchat.bench.kernels.device import bench_gpu
 from cmpchat.bench.kernels.gemv import QWEN_GEMV_SHAPES
 from cmpchat.cudart.profile import time_launches
-from cmpchat.kernels.gemm import SWEEP_TILINGS, GemmTiling, default_tiling, gemm_q8_launch
+from cmpchat.kernels.gemm import SWEEP_TILINGS, GemmTiling, gemm_q8_launch
 from cmpchat.kernels.gemv import output_shape, weight_bytes
 from cmpchat.kernels.quantize import QUANT_BLOCK
 from cmpchat.kernels.throughput_probes import DP4A_PROBE, compute_rate
@@ -58,7 +60,7 @@ def benchmark_gemm(
     rows: int, cols: int, tokens: int, *, mode: str = "store", name: str = "", repeats: int = 20, warmup: int = 3,
     seed: int = 0, cycle_bytes: int = 256 << 20, tiling: GemmTiling | None = None,
 ) -> GemmTiming:  # fmt: skip
-    """Time the GEMM for this shape and token count (needs a GPU)."""
+    """Time the GEMM for this shape and token count (needs a GPU) in `tiling` (default: the GPU's row's)."""
     problem = _DeviceProblem(rows, cols, tokens, mode, seed, cycle_bytes)
     return GemmTiming(name, rows, cols, tokens, mode, problem.time(tiling, repeats, warmup))
 
@@ -79,12 +81,14 @@ class _DeviceProblem:
         self.mode = mode
 
     def time(self, tiling: GemmTiling | None, repeats: int, warmup: int) -> float:
-        """Seconds per launch."""
+        """Seconds per launch (tiling None: the GPU's row's)."""
+        gpu, tuning = bench_gpu()
+        tiling = tiling or tuning.gemm
         launches = [
             gemm_q8_launch(quants, scales, self.x_quants, self.x_scales, self.out, mode=self.mode, tiling=tiling)
             for quants, scales in self.weights
         ]
-        return time_launches(launches, repeats, warmup) / len(launches)
+        return time_launches(launches, repeats, warmup, early_launch=tuning.launches_early(gpu)) / len(launches)
 
 
 def sweep_tilings(model: str, tokens: list[int], repeats: int, peak: float) -> None:
@@ -102,7 +106,7 @@ def sweep_tilings(model: str, tokens: list[int], repeats: int, peak: float) -> N
                 totals[tiling] += seconds
             cells = " ".join(f"{t.label}:{s * 1e6:.0f} ({ops / s / peak:.0%})" for t, s in times.items())
             print(f"  T={count:<5} {name:24} {cells}")
-        best, default = min(totals, key=totals.__getitem__), default_tiling()
+        best, default = min(totals, key=totals.__getitem__), bench_gpu()[1].gemm
         print(f"  T={count:<5} all projections: best {best.label} {totals[best] * 1e3:.3f} ms; default "
               f"{default.label} {totals[default] * 1e3:.3f} ms")  # fmt: skip
 

@@ -4,7 +4,8 @@
 launch and the bytes it must read divided by that time, next to the streaming-read bandwidth measured in
 the same run (`throughput_probes.streaming_read_bandwidth`, as `cmpchat doctor`), so the ratio carries
 over from the H200 to the CMP. `--sweep` times every one-token tiling (`FusedGemvTiling`) on every shape
-and names the fastest for a whole decode step: how the default is chosen. `--fixed-costs` shows what a
+and names the fastest for a whole decode step: how the device table's choice is made (`device_table.py`;
+CMPCHAT_TUNING=sm_70 times another row's). `--fixed-costs` shows what a
 one-token launch pays beside streaming its weight: an empty launch, the launch's excess over its weight's
 streaming time at the read bandwidth, the same kernel on a single row pair (launch, prologue and one pair's
 loop, nothing to overlap them), and the unfused kernel on an already-quantised input (no prologue).
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from cmpchat.bench.kernels.device import bench_gpu
 from cmpchat.cudart.launch import Launch
 from cmpchat.cudart.profile import time_launches
 from cmpchat.cudart.selftest_kernels import count_launch
 from cmpchat.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
-from cmpchat.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, default_tiling, gemv_q8_fused_launch
+from cmpchat.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, gemv_q8_fused_launch
 from cmpchat.kernels.quantize import QUANT_BLOCK
 from cmpchat.model.builder import MODEL_SHAPES
 
@@ -110,8 +112,10 @@ class _DeviceProblem:
         self.x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
         self.out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
         self.tokens, self.mode = tokens, mode
-        self.sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
-        self.default_tiling = default_tiling(rows, cols, mode, self.sm_count)
+        gpu, tuning = bench_gpu()
+        self.sm_count = gpu.multiprocessors
+        self.early_launch = tuning.launches_early(gpu)
+        self.default_tiling = tuning.gemv_tiling(rows, cols, mode, self.sm_count)
         """The one-token tiling a decode step's launch of this shape gets."""
 
     def time(self, tiling: FusedGemvTiling | None, repeats: int, warmup: int) -> float:
@@ -124,7 +128,7 @@ class _DeviceProblem:
             else:
                 launch = gemv_q8_launch(quants, scales, self.x_quants, self.x_scales, self.out, mode=self.mode)
             launches.append(launch)
-        return time_launches(launches, repeats, warmup) / len(launches)
+        return time_launches(launches, repeats, warmup, early_launch=self.early_launch) / len(launches)
 
 
 SWEEP_SHAPES = ((1, 2), (1, 3), (2, 1), (3, 1))
@@ -165,7 +169,7 @@ def sweep_tilings(model: str, repeats: int, limit: float) -> None:
 
 def fixed_costs(model: str, repeats: int, limit: float) -> None:
     """Print, per one-token projection of `model`, where a launch's time goes beside its streaming time."""
-    sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    sm_count = bench_gpu()[0].multiprocessors
     counter = cuda.to_device(np.zeros(1, np.int32))
     empty = time_launches([Launch(count_launch, sm_count, 256, (counter,)) for _ in range(20)], repeats, 3) / 20
     print(f"{model}: an empty launch takes {empty * 1e6:.2f} µs; per projection, µs per launch: the fused launch, "
