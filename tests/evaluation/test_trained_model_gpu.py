@@ -82,6 +82,5 @@ def test_needle_grid_on_the_gpu_up_to_the_limit(capsys):
     grid = json.loads(capsys.readouterr().out)["needle"]["backend=cuda"]
     print(json.dumps(grid))
     assert grid["trials"] >= 20 and grid["lengths"][-1] == NEEDLE_LIMIT and len(grid["depths"]) == 9
-    at_8k = min(grid["accuracy"][grid["lengths"].index(8192)])
-    if at_8k < 0.95:
-        pytest.xfail(f"lowest accuracy at 8K is {at_8k:.2f}: the committed model did not learn retrieval (model card)")
+    print(f"longest context with >= 90% at every depth: {grid['longest_at_90']}")
+    assert min(grid["accuracy"][grid["lengths"].index(8192)]) >= 0.95  # the model card's 8K row
