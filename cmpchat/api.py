@@ -27,6 +27,8 @@ from cmpchat.engine.events import GenerationEvent
 from cmpchat.engine.reply import GenerationOptions
 from cmpchat.engine.request import Failed, GenerationRequest, Started
 from cmpchat.errors import CmpchatError
+from cmpchat.kv_formats import F16
+from cmpchat.kv_formats import kv_format as kv_format_named
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.tokenizer import Tokenizer
@@ -229,6 +231,7 @@ def open_model(
     use_graphs: bool = True,
     max_waiting: int = 64,
     prefill_chunk: int = 512,
+    kv: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Model:
     """Open a GGUF model (None: the demo model, built on first use) on a backend.
@@ -240,8 +243,11 @@ def open_model(
     KV-cache pool that all sequences share (default: what fits; the CPU keeps four contexts' worth). GPU
     options: `gpu_mem` bytes usable per GPU (to emulate a smaller card), `use_graphs` (False: launch kernels one
     by one, for debugging). Engine options: `max_waiting` requests queued beyond the running ones,
-    `prefill_chunk` prompt tokens read between decode steps. `progress(stage, done, total)` reports slow
-    steps. The model comes back ready: a GPU backend has compiled and captured every step the engine runs.
+    `prefill_chunk` prompt tokens read between decode steps. `kv`: the KV cache's format
+    (`cmpchat.kv_formats`: "f16", "q8", "tq3", "q8k-tq3v"; "naive3" and "q4_0" are measurement baselines);
+    default the backend's own (the GPU's fp16, the CPU's fp32 or, with `mirror_gpu`, fp16). The compressed
+    formats run on the CPU reference only for now. `progress(stage, done, total)` reports slow steps. The
+    model comes back ready: a GPU backend has compiled and captured every step the engine runs.
     """
     if backend not in BACKENDS:
         raise CmpchatError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
@@ -249,12 +255,20 @@ def open_model(
         raise CmpchatError("sequences must be at least 1 and cache_states at least 0")
     is_demo = path is None
     model_path = ensure_demo_model(progress) if path is None else Path(path)
+    kv_format = None if kv is None else kv_format_named(kv)
     model_file = ModelFile(model_path)
     config = ModelConfig.from_model_file(model_file)
+    if kv_format is not None:
+        kv_format.check(config.head_dim)
     if backend == "auto":
         backend = "cuda" if cuda_gpu_present() else "cpu"
     loaded: Backend[Any]
     if backend == "cuda":
+        if kv_format is not None and kv_format is not F16:
+            raise CmpchatError(
+                f"the {kv_format.name} KV cache is available on the CPU reference backend only for now "
+                "(--backend cpu); the cuda backend keeps an f16 cache"
+            )
         from cmpchat.backends.gpu.model import CudaBackend
 
         loaded = CudaBackend(
@@ -278,6 +292,7 @@ def open_model(
             context=context,
             pool_tokens=kv_tokens,
             max_sequences=sequences + cache_states,
+            kv=kv_format,
         )
         if progress is not None:
             progress("loading the model", 1, 1)

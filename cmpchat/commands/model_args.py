@@ -9,6 +9,7 @@ from cmpchat.api import BACKENDS, Model, open_model
 from cmpchat.backends.gpu.device import parse_size
 from cmpchat.commands.progress import StderrProgress
 from cmpchat.demo import DEMO_NOTICE
+from cmpchat.kv_formats import FORMATS
 from cmpchat.long_lived import freeze_loaded
 
 
@@ -26,6 +27,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx", type=int, metavar="N", help="most tokens of context per conversation")
     parser.add_argument(
         "--kv-tokens", type=int, metavar="N", help="most tokens the shared KV cache holds (default: what fits)"
+    )
+    parser.add_argument(
+        "--kv",
+        choices=list(FORMATS),
+        metavar="FORMAT",
+        help="KV cache format: " + ", ".join(FORMATS) + " (default: f16 on the GPU, fp32 on the CPU; the "
+        "compressed ones run on --backend cpu only for now)",
     )
     parser.add_argument("--eager", action="store_true", help="launch GPU kernels one by one (debugging)")
 
@@ -48,6 +56,7 @@ def open_from_args(
             gpu_mem=None if args.gpu_mem is None else parse_size(args.gpu_mem),
             context=args.ctx,
             kv_tokens=args.kv_tokens,
+            kv=args.kv,
             use_graphs=not args.eager,
             progress=progress,
             sequences=sequences,

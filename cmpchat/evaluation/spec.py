@@ -1,8 +1,8 @@
 """Engine configurations written as `key=value,key=value` (`cmpchat eval --base ... --test ...`).
 
 Each key is one `EngineKey`: how its value is parsed and which `open_model` argument it sets (the key
-`model` picks another file instead). New engine options (a KV-cache format, sparse prefill) become
-new keys with `register_key`, and every front end that takes a spec accepts them at once.
+`model` picks another file instead). New engine options (sparse prefill, say) become new keys with
+`register_key`, as the KV-cache format (`kv`) did, and every front end that takes a spec accepts them at once.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cmpchat.errors import CmpchatError
+from cmpchat.kv_formats import BASELINES, FORMATS
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,12 @@ for _key in (
     EngineKey("context", _positive_int, "most tokens per sequence (GPU)", "context"),
     EngineKey("gpu_mem", _size, "GPU memory to plan with, e.g. 16G", "gpu_mem"),
     EngineKey("graphs", _bool, "0: launch GPU kernels one by one", "use_graphs"),
+    EngineKey(
+        "kv",
+        _choice(*FORMATS, *BASELINES),
+        f"KV cache format: {', '.join(FORMATS)}; {', '.join(BASELINES)} are measurement baselines (CPU only)",
+        "kv",
+    ),
 ):
     register_key(_key)
 

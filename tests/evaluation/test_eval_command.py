@@ -52,12 +52,23 @@ def test_a_needle_cell_of_twenty_trials(capsys):
     assert 0.0 <= accuracy <= 1.0 and (accuracy * 20).is_integer()
 
 
+def test_kv_formats_against_f16(capsys):
+    result = eval_json(
+        capsys, "--text", str(TEXT), "--ctx", "128", "--chunks", "1", "--base", "backend=cpu,kv=f16",
+        "--test", "backend=cpu,kv=q8", "--test", "backend=cpu,kv=tq3", "--test", "backend=cpu,kv=q4_0",
+    )  # fmt: skip
+    kl = {name: d["kl_mean"] for name, d in result["text"]["tests"].items()}
+    assert list(kl) == ["backend=cpu,kv=q8", "backend=cpu,kv=tq3", "backend=cpu,kv=q4_0"]
+    assert 0 < kl["backend=cpu,kv=q8"] < kl["backend=cpu,kv=q4_0"] < kl["backend=cpu,kv=tq3"] < 0.1
+
+
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
         ([], "nothing to measure"),
         (["--text", "missing.txt"], "cannot read the text file"),
-        (["--needle", "--base", "kv=tq3"], "unknown key 'kv'"),
+        (["--needle", "--base", "sparse=1"], "unknown key 'sparse'"),
+        (["--needle", "--base", "kv=tq2"], "bad value 'tq2' for kv"),
         (["--needle", "--base", "mirror_gpu=maybe"], "bad value 'maybe' for mirror_gpu"),
         (["--needle", "--lengths", "64"], "is too short"),
         (["--needle", "--lengths", "1024", "--depths", "150"], "outside 0..1"),

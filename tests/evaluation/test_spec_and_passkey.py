@@ -26,7 +26,8 @@ def test_a_spec_gives_open_model_arguments_and_the_model_file():
     ("text", "fragment"),
     [
         ("backend", "is not key=value"),
-        ("kv=f16", "unknown key 'kv'"),
+        ("sparse=1", "unknown key 'sparse'"),
+        ("kv=tq2", "bad value 'tq2' for kv: expected one of f16, q8, tq3, q8k-tq3v, naive3, q4_0"),
         ("backend=tpu", "expected one of auto, cpu, cuda"),
         ("context=0", "bad value '0' for context"),
         ("backend=cpu,backend=cuda", "given twice"),
@@ -39,10 +40,15 @@ def test_bad_specs_say_what_is_wrong(text, fragment):
 
 def test_new_keys_plug_in(monkeypatch):
     monkeypatch.setattr(spec, "KEYS", dict(spec.KEYS))
-    spec.register_key(EngineKey("kv", str, "KV cache format", "kv_format"))
-    assert EngineSpec.parse("kv=tq3").open_arguments() == {"kv_format": "tq3"}
+    spec.register_key(EngineKey("sparse", str, "sparse prefill pattern", "sparse_prefill"))
+    assert EngineSpec.parse("sparse=vertical").open_arguments() == {"sparse_prefill": "vertical"}
     with pytest.raises(ValueError, match="already registered"):
-        spec.register_key(EngineKey("kv", str, "again"))
+        spec.register_key(EngineKey("sparse", str, "again"))
+
+
+@pytest.mark.parametrize("name", ["f16", "q8", "tq3", "q8k-tq3v", "naive3", "q4_0"])
+def test_the_kv_key_takes_every_format_and_baseline(name):
+    assert EngineSpec.parse(f"backend=cpu,kv={name}").open_arguments() == {"backend": "cpu", "kv": name}
 
 
 def encode(text: str) -> list[int]:

@@ -19,6 +19,7 @@ from cmpchat.backends.reference.layers import Linear, apply_rope, rms_norm, rope
 from cmpchat.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
 from cmpchat.kernels.device_table import SM_70, SM_90, default_tuning
 from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
+from cmpchat.kv_formats import F16
 from cmpchat.model.config import LayerKind, ModelConfig
 
 EPS = 1e-6
@@ -116,7 +117,7 @@ class DecodeCase:
         layer.out = Projection(lambda attended: attended)
         keys, values = self.caches[row]
         past = keys.shape[0]
-        kv = PagedKv(cfg, past + 1, np.float16)  # the row's history in one page of the reference's own store
+        kv = PagedKv(cfg, past + 1, F16)  # the row's history in one page of the reference's own store
         kv.write(0, [0], 0, keys, values)
         assert self.thw is not None  # filled in by __post_init__
         out = layer(np.zeros((1, 1), np.float32), kv, 0, [0], past, self.thw[row : row + 1].astype(np.int64))

@@ -19,6 +19,8 @@ from cmpchat.backends.reference.attention import GatedAttention, PagedKv
 from cmpchat.backends.reference.gated_deltanet import GatedDeltaNet, RecurrentState
 from cmpchat.backends.reference.layers import Linear, linear_weight_bytes, rms_norm, silu
 from cmpchat.errors import CmpchatError
+from cmpchat.kv_formats import F16, F32, KvFormat
+from cmpchat.kv_formats import kv_format as kv_format_named
 from cmpchat.model.config import LayerKind, ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
@@ -93,6 +95,10 @@ class DecoderLayer:
 class ReferenceBackend(Backend[ReferenceSequence]):
     """fp32 numpy model. `mirror_gpu=True` rounds as the GPU engine does (int8 activations, fp16 KV).
 
+    `kv` is the KV cache's format (`cmpchat.kv_formats`: a name such as "tq3", the baselines' too); default fp32
+    (fp16 with `mirror_gpu`). `rotated_attention` reads a rotated format as the GPU kernels will
+    (`attention.attend_rotated`) instead of decoding it first; the two agree to fp32 rounding.
+
     KV caches live in a pool of `pool_tokens` tokens in pages of `page_tokens` (made as they are first used, so
     a large pool costs nothing until it fills); `max_sequences` bounds the sequences held at once, as a GPU's
     recurrent-state slots do, and `context` the tokens of one sequence.
@@ -111,6 +117,8 @@ class ReferenceBackend(Backend[ReferenceSequence]):
         pool_tokens: int | None = None,
         page_tokens: int = 256,
         max_sequences: int = 64,
+        kv: str | KvFormat | None = None,
+        rotated_attention: bool = False,
     ) -> None:
         self.config = config or ModelConfig.from_model_file(model_file)
         self.model_file = model_file
@@ -126,9 +134,23 @@ class ReferenceBackend(Backend[ReferenceSequence]):
         self.pool = PagePool(-(-pool_tokens // page_tokens), page_tokens)
         # One sequence can always grow to its limit once the others give their pages back.
         self.context_limit = min(context_limit, self.pool.total_tokens)
-        self.kv = PagedKv(cfg, page_tokens, np.float16 if mirror_gpu else np.float32)
+        if kv is None:
+            kv_format = F16 if mirror_gpu else F32
+        else:
+            kv_format = kv_format_named(kv) if isinstance(kv, str) else kv
+        self.kv = PagedKv(cfg, page_tokens, kv_format, rotated_attention=rotated_attention)
         self.max_sequences = max_sequences
         self._held = 0
+        self._kv_chosen = kv is not None
+
+    def describe(self) -> list[str]:
+        if not self._kv_chosen:
+            return []
+        fmt = self.kv.format
+        return [
+            f"KV cache: {fmt.name} ({fmt.bits_per_value:g} bits a value, {fmt.bytes_per_token(self.config):,} bytes "
+            "a token)"
+        ]
 
     # -- sequences --------------------------------------------------------------------------------
 
