@@ -15,16 +15,9 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from cmpchat.errors import CmpchatError
+from cmpchat.model.dequant import BLOCK_FORMATS, READABLE_TYPES, dequantize_rows, type_names
 from cmpchat.model.gguf_parse import TensorInfo, parse
-from cmpchat.model.quant import q8_0_dequantize, q8_0_split
-
-# The tensor types the engine computes with; anything else is refused by name.
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32,
-    GGMLQuantizationType.F16,
-    GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q8_0,
-}
+from cmpchat.model.quant import q8_0_split
 
 
 class ModelFile:
@@ -34,10 +27,16 @@ class ModelFile:
         self.path = Path(path)
         self._data, self.metadata, self.tensors = parse(self.path)
         for info in self.tensors.values():
-            if info.type not in SUPPORTED_TYPES:
+            if info.type not in READABLE_TYPES:
                 raise CmpchatError(
                     f"{self.path.name}: tensor '{info.name}' has type {info.type_name}, which cmpchat does not "
-                    f"support (it reads F32, F16, BF16 and Q8_0); use a Q8_0 GGUF of the model"
+                    f"read (it reads {type_names(READABLE_TYPES)}); use a Q4_K_M, Q5_K_M, Q6_K or Q8_0 GGUF of the model"
+                )
+            block = BLOCK_FORMATS.get(info.type)
+            if block is not None and info.shape and info.shape[-1] % block.values:
+                raise CmpchatError(
+                    f"{self.path.name} is damaged: tensor '{info.name}' ({info.type_name}) has rows of "
+                    f"{info.shape[-1]} values, not a whole number of {block.values}-value blocks"
                 )
 
     def __repr__(self) -> str:
@@ -86,37 +85,31 @@ class ModelFile:
         rows, cols = _as_matrix_shape(info.shape)
         return q8_0_split(self.raw(name), rows, cols)
 
+    def raw_rows(self, name: str) -> np.ndarray:
+        """The tensor's bytes as rows, uint8 [rows, bytes a row] (a view of the mapped file); a row is the last
+        dimension (numpy order), a whole number of blocks."""
+        info = self.tensor_info(name)
+        rows, _ = _as_matrix_shape(info.shape)
+        return self.raw(name).reshape(rows, -1)
+
     def dequantize(self, name: str, rows: np.ndarray | slice | None = None) -> np.ndarray:
         """Exact float32 values, shaped as `shape` (numpy order); `rows` selects rows of a matrix."""
         info = self.tensor_info(name)
         if rows is not None and len(info.shape) != 2:
             raise ValueError(f"{name} is not a matrix")
-        if info.type == GGMLQuantizationType.Q8_0:
-            scales, quants = self.q8_0_parts(name)
-            if rows is not None:
-                scales, quants = scales[rows], quants[rows]
-            values = q8_0_dequantize(scales, quants)
-            return values if rows is not None else values.reshape(info.shape)
-        values = self._plain_view(info)
+        raw = self.raw_rows(name)
         if rows is not None:
-            values = values[rows]
-        return _to_float32(values, info.type)
+            return dequantize_rows(raw[rows], info.type, info.shape[-1])
+        return dequantize_rows(raw, info.type, info.shape[-1]).reshape(info.shape)
 
-    def _plain_view(self, info: TensorInfo) -> np.ndarray:
-        raw = self._data[info.offset : info.offset + info.n_bytes]
-        dtype = {
-            GGMLQuantizationType.F32: np.float32,
-            GGMLQuantizationType.F16: np.float16,
-            GGMLQuantizationType.BF16: np.uint16,
-        }[info.type]
-        return raw.view(dtype).reshape(info.shape)
-
-
-def _to_float32(values: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarray:
-    if tensor_type == GGMLQuantizationType.BF16:
-        # bf16 is the top half of an fp32: shift it back into place.
-        return (values.astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(values, dtype=np.float32)
+    def type_mix(self) -> list[tuple[GGMLQuantizationType, int, int]]:
+        """(type, tensors, bytes) for each tensor type in the file, most bytes first."""
+        counts: dict[GGMLQuantizationType, list[int]] = {}
+        for info in self.tensors.values():
+            entry = counts.setdefault(info.type, [0, 0])
+            entry[0] += 1
+            entry[1] += info.n_bytes
+        return sorted(((t, n, b) for t, (n, b) in counts.items()), key=lambda item: (-item[2], item[0].name))
 
 
 def _as_matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:

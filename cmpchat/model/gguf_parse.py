@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 
 from cmpchat.errors import CmpchatError
+from cmpchat.model.dequant import READABLE_TYPES, type_names
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -190,5 +191,6 @@ def _tensor_type(code: int, tensor_name: str, file_name: str) -> GGMLQuantizatio
         return GGMLQuantizationType(code)
     except ValueError:
         raise CmpchatError(
-            f"{file_name}: tensor '{tensor_name}' has unknown type code {code}; cmpchat reads F32, F16, BF16 and Q8_0"
+            f"{file_name}: tensor '{tensor_name}' has unknown type code {code}; "
+            f"cmpchat reads {type_names(READABLE_TYPES)}"
         ) from None

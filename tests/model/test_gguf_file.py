@@ -126,10 +126,25 @@ def test_truncated_header_and_data(tiny_model_path, tmp_path):
     expect_error(cut_data, "truncated", "runs past the end")
 
 
-def test_unsupported_tensor_type_names_tensor_and_type(tmp_path):
-    q4 = gguf.quants.quantize(np.ones((2, 32), dtype=np.float32), gguf.GGMLQuantizationType.Q4_0)
-    path = write_gguf(tmp_path / "q4.gguf", {"blk.0.ffn_up.weight": (q4, gguf.GGMLQuantizationType.Q4_0)})
-    expect_error(path, "blk.0.ffn_up.weight", "Q4_0", "Q8_0")
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "Q2_K", "Q3_K"])
+def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, name):
+    tensor_type = gguf.GGMLQuantizationType[name]
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
+    raw = np.zeros((2, 256 // block_values * block_bytes), dtype=np.uint8)
+    path = write_gguf(tmp_path / "other.gguf", {"blk.0.ffn_up.weight": (raw, tensor_type)})
+    message = expect_error(path, "'blk.0.ffn_up.weight'", f"type {name},", "Q4_K", "Q8_0")
+    assert message.count(name) == 1  # named once as the tensor's type, not among the types cmpchat reads
+
+
+def test_a_block_type_row_must_be_whole_blocks(tmp_path):
+    raw = np.zeros((2, 144), dtype=np.uint8)  # 2 rows of one Q4_K block (256 values)...
+    path = write_gguf(tmp_path / "odd.gguf", {"w": (raw, gguf.GGMLQuantizationType.Q4_K)})
+    data = bytearray(path.read_bytes())
+    at = data.index(b"w\x02\x00\x00\x00") + 5  # past the name and the dimension count: ne0
+    assert int.from_bytes(data[at : at + 8], "little") == 256
+    data[at : at + 8] = (128).to_bytes(8, "little")  # ...declared 128 wide
+    path.write_bytes(bytes(data))
+    expect_error(path, "damaged", "'w'", "128 values", "256-value blocks")
 
 
 def test_unknown_version(tiny_model_path, tmp_path):

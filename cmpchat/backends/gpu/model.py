@@ -30,7 +30,7 @@ from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
 from cmpchat.backends.gpu.sampler import GpuChoice, GpuSampler
 from cmpchat.backends.gpu.stage import Stage
 from cmpchat.backends.gpu.step import MAX_ROWS, StepBuffers
-from cmpchat.backends.gpu.weights import stage_weight_bytes
+from cmpchat.backends.gpu.weights import check_gpu_types, stage_weight_bytes
 from cmpchat.backends.kv_pool import PageCopy, PageList, PagePool, PoolExhausted
 from cmpchat.errors import CmpchatError
 from cmpchat.kernels.device_table import DeviceTuning, default_tuning
@@ -83,6 +83,7 @@ class CudaBackend(Backend[CudaSequence]):
         """`tuning`: the launch choices to run (`kernels/device_table.py`); default, the GPU's own row
         (`default_tuning`: the one CMPCHAT_TUNING names, if set)."""
         self.config = config = config or ModelConfig.from_model_file(model_file)
+        check_gpu_types(model_file, config)  # before any device call: a k-quant file is refused in one line
         self.use_graphs = use_graphs
         self.max_sequences = min(sequences + saved_states, MAX_SEQUENCES)
         self.gpu = gpu_info(0)
@@ -138,6 +139,7 @@ class CudaBackend(Backend[CudaSequence]):
         their states, the step buffers and a KV pool of what is left; raises CmpchatError when the pool cannot
         hold even a short context. `gpu`: GPU 0 as already read (else it is read here); `tuning`: the launch
         choices loading would run (default, the GPU's: `default_tuning`)."""
+        check_gpu_types(model_file, config)
         info = gpu or gpu_info(0)
         tuning = tuning or default_tuning(info)
         layers = range(config.num_layers)

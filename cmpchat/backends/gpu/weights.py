@@ -129,6 +129,39 @@ class StageWeights:
     lm_head: DeviceMatrix | None
 
 
+GPU_TYPES = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+)
+"""The tensor types the CUDA kernels multiply; the reader (and the CPU backend) reads more (`model/dequant.py`)."""
+
+
+def check_gpu_types(model_file: ModelFile, config: ModelConfig) -> None:
+    """Refuse, in one line and before anything touches a GPU, a file with a tensor the CUDA backend cannot run
+    yet (the k-quants and 4/5-bit types: their GPU kernels are issue 30's next part). MTP blocks, which are
+    never loaded, are not looked at."""
+    layers = range(config.num_layers)
+    others = [
+        info
+        for name, info in model_file.tensors.items()
+        if info.type not in GPU_TYPES and (not name.startswith("blk.") or _layer_of(name) in layers)
+    ]
+    if others:
+        first = others[0]
+        rest = f" (and {len(others) - 1} more tensors: {_type_list(others)})" if len(others) > 1 else ""
+        raise CmpchatError(
+            f"{model_file.path.name}: tensor '{first.name}' is {first.type_name}{rest}, which the CUDA backend does "
+            f"not run yet (it runs {', '.join(t.name for t in GPU_TYPES)}; GPU support for the others is coming); "
+            "the CPU backend reads it: --backend cpu"
+        )
+
+
+def _type_list(infos: Sequence[Any]) -> str:
+    return ", ".join(sorted({info.type_name for info in infos}))
+
+
 def stage_weight_bytes(model_file: ModelFile, config: ModelConfig, layers: range, *, first: bool, last: bool) -> int:
     """GPU bytes of what `upload_stage_weights` uploads for this stage (as stored: Q8_0 keeps 34 bytes per 32)."""
     total = sum(info.n_bytes for name, info in model_file.tensors.items() if _layer_of(name) in layers)
