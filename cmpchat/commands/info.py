@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
@@ -26,12 +25,13 @@ def describe(model_file: ModelFile, config: ModelConfig) -> list[str]:
     c = config
     size = model_file.path.stat().st_size
     mtp = f" + {c.num_mtp_layers} MTP" if c.num_mtp_layers else ""
-    counts = Counter(info.type_name for info in model_file.tensors.values())
-    type_bytes: Counter[str] = Counter()
-    for info in model_file.tensors.values():
-        type_bytes[info.type_name] += info.n_bytes
-    types = ", ".join(f"{name} x{counts[name]} ({_gib(type_bytes[name])})" for name in sorted(counts))
+    mix = model_file.type_mix()  # most bytes first
+    types = f"{len(model_file.tensors)}: " + ", ".join(f"{t.name} x{n} ({_gib(b)})" for t, n, b in mix)
     weights = sum(info.n_bytes for info in model_file.tensors.values())
+    from cmpchat.backends.gpu.weights import GPU_TYPES
+
+    missing = ", ".join(t.name for t, _, _ in mix if t not in GPU_TYPES)
+    backends = [f"backends      cpu reads every tensor; cuda does not run {missing} yet (GPU support is coming)"]
     kv = c.kv_bytes_per_token()
     template = "from the file" if model_file.get("tokenizer.chat_template") else "none (cmpchat's built-in ChatML)"
     return [
@@ -44,6 +44,7 @@ def describe(model_file: ModelFile, config: ModelConfig) -> list[str]:
         f"deltanet      {c.num_k_heads} key heads x {c.k_head_dim}, {c.num_v_heads} value heads x {c.v_head_dim}, conv {c.conv_kernel}",
         f"embeddings    {'tied (LM head reuses token_embd)' if c.tied_embeddings else 'separate LM head'}",
         f"tensors       {types}",
+        *(backends if missing else []),
         f"chat template {template}",
         "memory        "
         f"weights {_gib(weights)}; KV cache (fp16) {kv / 1024:.0f} KiB per token = {_gib(kv * 32768)} at 32K, "

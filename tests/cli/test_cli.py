@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from cmpchat.cli import main
+from cmpchat.model.builder import build_model
+from tests.conftest import WIDE_SHAPE, add_byte_vocabulary
 
 
 def test_run_streams_a_reply_and_prints_speeds(tiny_model_path, capsys):
@@ -67,3 +69,13 @@ def test_demo_model_is_built_once_and_runs(capsys):
     assert "random" in err and "tok/s" in err
     assert main(["run", "-p", "Hello", "-n", "4", "--seed", "1"]) == 0
     assert "writing the demo model" not in capsys.readouterr().err
+
+
+def test_info_prints_the_type_mix_and_what_cuda_cannot_run_yet(tmp_path, capsys):
+    path = tmp_path / "q4_k_m.gguf"
+    build_model(path, WIDE_SHAPE, add_tokenizer=add_byte_vocabulary, chat_template=None, mix="Q4_K_M")
+    assert main(["info", str(path)]) == 0
+    lines = {line[:13].strip(): line[14:] for line in capsys.readouterr().out.splitlines()}
+    assert lines["tensors"].startswith("53: Q4_K x")
+    assert "Q6_K x" in lines["tensors"] and "Q5_0 x" in lines["tensors"] and "F32 x21" in lines["tensors"]
+    assert lines["backends"].startswith("cpu reads every tensor; cuda does not run Q4_K, ")

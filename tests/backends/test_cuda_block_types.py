@@ -1,0 +1,63 @@
+"""The CUDA backend refuses, in one line and before it touches a GPU, a file with tensors its kernels do not
+run yet (the k-quants and the 4/5-bit types: the CPU backend reads them); Q8_0 / float files pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cmpchat.api import open_model
+from cmpchat.backends.gpu import model as gpu_model
+from cmpchat.backends.gpu.model import CudaBackend
+from cmpchat.backends.gpu.weights import check_gpu_types
+from cmpchat.errors import CmpchatError
+from cmpchat.model.builder import build_model
+from cmpchat.model.config import ModelConfig
+from cmpchat.model.gguf_file import ModelFile
+from tests.conftest import WIDE_SHAPE, add_byte_vocabulary
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("q4_k_m") / "tiny-q4_k_m.gguf"
+    build_model(path, WIDE_SHAPE, add_tokenizer=add_byte_vocabulary, chat_template=None, mix="Q4_K_M")
+    return path
+
+
+@pytest.fixture
+def no_gpu_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: object) -> None:
+        raise AssertionError("the GPU was asked for before the file's types were checked")
+
+    monkeypatch.setattr(gpu_model, "gpu_info", refuse)
+
+
+def one_line(caught: pytest.ExceptionInfo[CmpchatError]) -> str:
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_refused_before_any_device_call_naming_the_tensor_and_its_type(q4_k_m_path, no_gpu_calls):
+    model_file = ModelFile(q4_k_m_path)
+    with pytest.raises(CmpchatError) as caught:
+        CudaBackend(model_file)
+    message = one_line(caught)
+    first = next(info for info in model_file.tensors.values() if info.type_name not in ("F32", "Q8_0"))
+    assert f"tensor '{first.name}' is {first.type_name}" in message
+    assert "more tensors: Q4_K, Q5_0, Q6_K" in message
+    assert "--backend cpu" in message and "coming" in message
+    with pytest.raises(CmpchatError) as planned:
+        CudaBackend.memory_plan(model_file, ModelConfig.from_model_file(model_file))
+    assert one_line(planned) == message
+
+
+def test_open_model_on_cuda_refuses_it_too(q4_k_m_path, no_gpu_calls):
+    with pytest.raises(CmpchatError, match="--backend cpu"):
+        open_model(q4_k_m_path, backend="cuda")
+
+
+def test_q8_0_and_float_files_pass(tiny_model_path):
+    model_file = ModelFile(tiny_model_path)
+    check_gpu_types(model_file, ModelConfig.from_model_file(model_file))
