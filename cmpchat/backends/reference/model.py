@@ -17,7 +17,7 @@ from cmpchat.backends.base import Backend, HostLogits, TokenInput, host_tokens
 from cmpchat.backends.kv_pool import PageList, PagePool, PoolExhausted
 from cmpchat.backends.reference.attention import GatedAttention, PagedKv
 from cmpchat.backends.reference.gated_deltanet import GatedDeltaNet, RecurrentState
-from cmpchat.backends.reference.layers import Linear, linear_weight_bytes, rms_norm, silu
+from cmpchat.backends.reference.layers import Linear, rms_norm, silu, unpack_if_fits
 from cmpchat.errors import CmpchatError
 from cmpchat.kv_formats import F16, F32, KvFormat
 from cmpchat.kv_formats import kv_format as kv_format_named
@@ -123,12 +123,12 @@ class ReferenceBackend(Backend[ReferenceSequence]):
         self.config = config or ModelConfig.from_model_file(model_file)
         self.model_file = model_file
         self.mirror_gpu = mirror_gpu
-        _check_host_memory(model_file, self.config)
         cfg = self.config
         self.layers = [DecoderLayer(model_file, i, cfg, mirror_gpu=mirror_gpu) for i in range(cfg.num_layers)]
         self.output_norm = model_file.dequantize("output_norm.weight")
         head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         self.lm_head = Linear(model_file, head_name, mirror_gpu=mirror_gpu)
+        self.weights_unpacked = _hold_weights(model_file, self.linears())
         context_limit = min(context or cfg.context_length, cfg.context_length)
         pool_tokens = pool_tokens or 4 * context_limit
         self.pool = PagePool(-(-pool_tokens // page_tokens), page_tokens)
@@ -254,24 +254,30 @@ class ReferenceBackend(Backend[ReferenceSequence]):
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.lm_head(rms_norm(hidden, self.output_norm, self.config.rms_eps))
 
+    def linears(self) -> list[Linear]:
+        """Every weight matrix the model multiplies by, the LM head last."""
+        return [linear for layer in self.layers for linear in layer.linears()] + [self.lm_head]
+
 
 def _check_live(sequence: ReferenceSequence) -> None:
     if sequence.released:
         raise ValueError("the sequence was released")
 
 
-def _check_host_memory(model_file: ModelFile, config: ModelConfig) -> None:
-    """Refuse, with the numbers, a model whose fp32 weights would not fit in available RAM."""
-    names = [name for name, info in model_file.tensors.items() if len(info.shape) == 2 and name != "token_embd.weight"]
-    if config.tied_embeddings:
-        names.append("token_embd.weight")
-    needed = sum(linear_weight_bytes(model_file, name) for name in names)
+def _hold_weights(model_file: ModelFile, linears: list[Linear]) -> bool:
+    """Unpack every matrix to fp32 when they all fit in RAM (fast); else keep them packed in the mapped file and
+    dequantise them per call (slow, but a 9B Q4_K_M runs without 36 GB of fp32). Refused, with the numbers, only
+    when even the packed weights would not fit. Returns whether the weights were unpacked."""
     available = _available_memory()
-    if available is not None and needed > 0.9 * available:
+    if unpack_if_fits(linears, available):
+        return True
+    packed = sum(linear.file_bytes for linear in linears)
+    if available is not None and packed > 0.9 * available:
         raise CmpchatError(
-            f"the CPU reference backend needs {needed / 2**30:.1f} GiB of RAM for {model_file.path.name} "
-            f"(fp32 weights) but {available / 2**30:.1f} GiB is available; use the cuda backend or a smaller model"
+            f"the CPU reference backend needs {packed / 2**30:.1f} GiB of RAM for {model_file.path.name}'s weights "
+            f"but {available / 2**30:.1f} GiB is available; use the cuda backend or a smaller model"
         )
+    return False
 
 
 def _available_memory() -> int | None:
