@@ -87,6 +87,7 @@ def test_logits_equal_the_f32_twins(files, twin_scores):
 def test_packed_weights_give_the_same_logits(files, twin_scores, packed_weights):
     backend = ReferenceBackend(ModelFile(files[0]))
     assert not backend.weights_unpacked
+    assert backend.describe()[0].startswith("weights: kept packed and dequantised in every matmul (slow)")
     assert all(linear.packed and linear.host_bytes == 0 for linear in backend.linears())
     packed = backend.score(backend.new_sequence(), TOKENS)
     twin = twin_scores
@@ -95,7 +96,7 @@ def test_packed_weights_give_the_same_logits(files, twin_scores, packed_weights)
 
 def test_weights_are_unpacked_when_they_fit(files):
     backend = ReferenceBackend(ModelFile(files[0]))
-    assert backend.weights_unpacked
+    assert backend.weights_unpacked and backend.describe() == []
     assert all(not linear.packed for linear in backend.linears())
 
 

@@ -144,13 +144,20 @@ class ReferenceBackend(Backend[ReferenceSequence]):
         self._kv_chosen = kv is not None
 
     def describe(self) -> list[str]:
-        if not self._kv_chosen:
-            return []
-        fmt = self.kv.format
-        return [
-            f"KV cache: {fmt.name} ({fmt.bits_per_value:g} bits a value, {fmt.bytes_per_token(self.config):,} bytes "
-            "a token)"
-        ]
+        lines = []
+        if not self.weights_unpacked:
+            fp32 = sum(linear.unpacked_bytes for linear in self.linears())
+            lines.append(
+                f"weights: kept packed and dequantised in every matmul (slow), since their fp32 values "
+                f"({fp32 / 2**30:.1f} GiB) do not fit in RAM"
+            )
+        if self._kv_chosen:
+            fmt = self.kv.format
+            lines.append(
+                f"KV cache: {fmt.name} ({fmt.bits_per_value:g} bits a value, {fmt.bytes_per_token(self.config):,} "
+                "bytes a token)"
+            )
+        return lines
 
     # -- sequences --------------------------------------------------------------------------------
 
