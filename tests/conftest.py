@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -69,25 +70,7 @@ TINY_SHAPE = ModelShape(
     vocab_size=256 + len(TINY_MERGES) + len(TINY_SPECIALS),
 )
 
-WIDE_SHAPE = ModelShape(
-    "tiny-wide",
-    hidden_size=256,
-    num_layers=4,
-    ffn_size=512,
-    num_heads=2,
-    num_kv_heads=1,
-    num_k_heads=2,
-    num_v_heads=4,
-    tied_embeddings=False,
-    head_dim=32,
-    k_head_dim=32,
-    v_head_dim=32,
-    rope_dims=16,
-    rope_sections=(3, 3, 2, 0),
-    full_attention_interval=2,
-    context_length=4096,
-    vocab_size=TINY_SHAPE.vocab_size,
-)
+WIDE_SHAPE = replace(TINY_SHAPE, name="tiny-wide", hidden_size=256, ffn_size=512)
 """The tiny model, wide enough for 256-value blocks (k-quants) in most matrices; attn_output and ssm_out (64 and
 128 inputs) take 32-value types, as llama-quantize's fallbacks do."""
 

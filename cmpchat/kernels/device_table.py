@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 from cmpchat.cudart.intrinsics import EARLY_LAUNCH_CAPABILITY, SIMULATOR, WARP_SIZE
@@ -155,34 +155,6 @@ to 4K tokens, 51.5 -> 42.1 µs at 16K and 75.1 -> 65.5 at 32K; G=6 (2 beat 4) eq
 4K, 74.5 -> 62.6 at 16K, 110.5 -> 107.5 at 32K. On sm_70 G=4's 4 are 1 1/3 waves: not yet measured on a CMP.
 Other G (no released model): 4."""
 
-SM_70 = DeviceTuning(
-    name="sm_70",
-    capability=(7, 0),
-    gemm=SM70_TILING,
-    gemv_narrow=NARROW_GEMV,
-    gemv_wide=WIDE_GEMV,
-    gemv_wide_columns=WIDE_GEMV_COLUMNS,
-    decode_attention=DecodeAttentionConfig(num_splits=1),
-    split_blocks_per_sm=SPLIT_BLOCKS_PER_SM,
-    split_blocks_per_sm_otherwise=4,
-    prefill_attention=PrefillAttentionConfig(num_splits=1),
-    early_launch=False,
-)
-"""The CMP 100-210 (Volta): the GEMM holds its prefetch in 168 registers; the rest as measured on the H200."""
-SM_80 = DeviceTuning(
-    name="sm_80",
-    capability=(8, 0),
-    gemm=GPU_TILING,
-    gemv_narrow=NARROW_GEMV,
-    gemv_wide=WIDE_GEMV,
-    gemv_wide_columns=WIDE_GEMV_COLUMNS,
-    decode_attention=DecodeAttentionConfig(num_splits=1),
-    split_blocks_per_sm=SPLIT_BLOCKS_PER_SM,
-    split_blocks_per_sm_otherwise=4,
-    prefill_attention=PrefillAttentionConfig(num_splits=1),
-    early_launch=False,
-)
-"""Ampere and Ada: the H200's choices, without early launch (which they lack)."""
 SM_90 = DeviceTuning(
     name="sm_90",
     capability=(9, 0),
@@ -197,18 +169,15 @@ SM_90 = DeviceTuning(
     early_launch=True,
 )
 """Hopper and newer: the H200, where every choice was measured."""
-SIMULATOR_TUNING = DeviceTuning(
+SM_80 = replace(SM_90, name="sm_80", capability=(8, 0), early_launch=False)
+"""Ampere and Ada: the H200's choices, without early launch (which they lack)."""
+SM_70 = replace(SM_80, name="sm_70", capability=(7, 0), gemm=SM70_TILING)
+"""The CMP 100-210 (Volta): the GEMM holds its prefetch in 168 registers; the rest as measured on the H200."""
+SIMULATOR_TUNING = replace(
+    SM_70,
     name="simulator",
-    capability=(7, 0),
     gemm=SIMULATOR_TILING,
-    gemv_narrow=NARROW_GEMV,
-    gemv_wide=WIDE_GEMV,
-    gemv_wide_columns=WIDE_GEMV_COLUMNS,
-    decode_attention=DecodeAttentionConfig(num_splits=1),
-    split_blocks_per_sm=SPLIT_BLOCKS_PER_SM,
-    split_blocks_per_sm_otherwise=4,
     prefill_attention=PrefillAttentionConfig(num_splits=1, **SIMULATOR_CONFIG),
-    early_launch=False,
 )
 """Numba's CUDA simulator (one Python thread per CUDA thread; it simulates an sm_70): 1-warp GEMM blocks and
 2-warp prefill attention with 32-key tiles, the same bodies small enough to simulate; the rest as sm_70's."""
