@@ -32,7 +32,9 @@ def bench(tree: Path, shape: str, out: Path, args: argparse.Namespace) -> list[d
     ]  # fmt: skip
     started = time.monotonic()
     result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
-    print(f"  {tree.name or 'tree'} {shape}: exit {result.returncode} in {time.monotonic() - started:.0f} s", flush=True)
+    print(
+        f"  {tree.name or 'tree'} {shape}: exit {result.returncode} in {time.monotonic() - started:.0f} s", flush=True
+    )
     if result.returncode != 0:
         print(result.stdout[-3000:], result.stderr[-3000:], sep="\n", flush=True)
         return []
@@ -59,7 +61,9 @@ def main() -> int:
                 for run in bench(tree, shape, out, args):
                     rates.setdefault((shape, name, run["context"], run["batch"]), []).append(run["tok_s"])
     rows = []
-    print(f"\n{'model':6} {'context':>7} {'batch':>5} {'baseline':>10} {'current':>10} {'ratio':>7}  (medians of tok/s)")
+    print(
+        f"\n{'model':6} {'context':>7} {'batch':>5} {'baseline':>10} {'current':>10} {'ratio':>7}  (medians of tok/s)"
+    )
     for shape in args.shapes:
         keys = sorted({(c, b) for (s, _, c, b) in rates if s == shape}, key=lambda k: (k[1], k[0]))
         for context, batch in keys:

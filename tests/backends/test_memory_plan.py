@@ -96,6 +96,12 @@ def test_more_sequence_states_leave_a_smaller_pool_and_kv_tokens_cap_it():
     assert capped.pool_tokens == 20_000 // 256 * 256 and capped.total < one.total
 
 
+def test_short_contexts_still_get_a_whole_page_each():
+    config, weights, largest = config_of("9B")
+    stage = plan(config, weights, largest, 140 * GIB, sequences=6, context=138)
+    assert stage.pool_pages == 6 and stage.context_limit == 138
+
+
 def test_kv_tokens_below_one_sequence_says_which_option_to_raise():
     config, weights, largest = config_of("4B")
     with pytest.raises(CmpchatError, match=r"3072 tokens holds less than one sequence's 4096; raise --kv-tokens"):

@@ -120,8 +120,10 @@ def plan_stage(
     scratch = scratch_bytes(config) + prompt_scratch
     fixed = weights + recurrent + scratch + RESERVE_BYTES
     fits = (budget - fixed) // kv_bytes_per_token if budget > fixed else 0
-    # No set of sequences reads more than all of them at full context: a larger pool would only hold memory.
-    pool = min(fits, sequences * model_context, kv_tokens or fits)
+    # No set of sequences reads more than all of them at full context, each in whole pages: a larger pool
+    # would only hold memory.
+    full_contexts = sequences * -(-model_context // page_tokens) * page_tokens
+    pool = min(fits, full_contexts, kv_tokens or fits)
     pool = pool // page_tokens * page_tokens
     least = min(MIN_CONTEXT, model_context)
     if kv_tokens is not None and kv_tokens < least:
