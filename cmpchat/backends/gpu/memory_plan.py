@@ -82,6 +82,11 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def least_pool_tokens(context: int) -> int:
+    """The smallest pool a model runs with: one sequence of MIN_CONTEXT tokens, or of its whole context."""
+    return min(MIN_CONTEXT, context)
+
+
 def scratch_bytes(config: ModelConfig, batch: int = 16) -> int:
     """Activations of one decode step for `batch` tokens, with room for the widest fused projection."""
     widest = max(
@@ -119,13 +124,16 @@ def plan_stage(
     model_context = min(context or config.context_length, config.context_length)
     scratch = scratch_bytes(config) + prompt_scratch
     fixed = weights + recurrent + scratch + RESERVE_BYTES
-    fits = (budget - fixed) // kv_bytes_per_token if budget > fixed else 0
     # No set of sequences reads more than all of them at full context, each in whole pages: a larger pool
     # would only hold memory.
     full_contexts = sequences * -(-model_context // page_tokens) * page_tokens
+    if budget <= fixed:
+        fits = 0
+    else:  # a stage of Gated DeltaNet layers only keeps no KV: the pool's pages cost it nothing
+        fits = (budget - fixed) // kv_bytes_per_token if kv_bytes_per_token else full_contexts
     pool = min(fits, full_contexts, kv_tokens or fits)
     pool = pool // page_tokens * page_tokens
-    least = min(MIN_CONTEXT, model_context)
+    least = least_pool_tokens(model_context)
     if kv_tokens is not None and kv_tokens < least:
         raise CmpchatError(
             f"a KV pool of {kv_tokens} tokens holds less than one sequence's {least}; "
