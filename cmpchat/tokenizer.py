@@ -35,6 +35,7 @@ STOP_TOKENS = ("<|endoftext|>", "<|im_end|>")
 
 _SPECIAL_TYPES = frozenset({int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED)})
 _UNUSED_TYPE = int(gguf.TokenType.UNUSED)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -139,8 +140,11 @@ class Tokenizer:
         """Token ids of `text` (no BOS is ever added).
 
         With `parse_special=False`, special-token text is encoded as ordinary text; use it for
-        anything a user typed, so it cannot inject control tokens.
+        anything a user typed, so it cannot inject control tokens. Lone UTF-16 surrogates (valid
+        in JSON and in a Python str, but not Unicode text) are read as U+FFFD, and a surrogate
+        pair as the character it encodes, as a browser reads the same string.
         """
+        text = _without_surrogates(text)
         # NFC here rather than as a `tokenizers` normaliser: it must run before special tokens are
         # matched, as in the reference tokenizer (NFC turns ">" + U+0338 into "≯")
         text = unicodedata.normalize("NFC", text)
@@ -193,6 +197,13 @@ class StreamDecoder:
     def flush(self) -> str:
         """End the stream: return what is held back (U+FFFD for a broken tail) and reset."""
         return self._utf8.decode(b"", final=True)
+
+
+def _without_surrogates(text: str) -> str:
+    if _SURROGATE.search(text) is None:
+        return text
+    # Through UTF-16, where surrogates are what they were made for: pairs join, the rest become U+FFFD.
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 def _broken(detail: str) -> CmpchatError:
