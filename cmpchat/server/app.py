@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from cmpchat.errors import CmpchatError
 from cmpchat.server.errors import (
     ApiError,
+    UnexpectedErrorMiddleware,
     handle_api_error,
     handle_http_exception,
     handle_unexpected,
@@ -54,6 +55,8 @@ def create_app(
         )
     if settings.api_key is not None:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=settings.api_key))
+    # Innermost of ours, so that a 500 still passes through CORS (a browser can read it).
+    middleware.append(Middleware(UnexpectedErrorMiddleware))
     app = Starlette(
         routes=routes(),
         middleware=middleware,

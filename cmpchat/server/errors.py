@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("cmpchat.server")
 
 _TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -67,5 +72,43 @@ async def handle_user_error(request: Request, exc: Exception) -> Response:
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
-    # Starlette re-raises the exception after this response, so the server log gets the traceback.
-    return ApiError(500, f"internal server error ({type(exc).__name__}); the server log has the details").response()
+    """An exception that escaped `UnexpectedErrorMiddleware` (one raised by a layer outside it)."""
+    # Starlette re-raises the exception after this response, which logs it and makes uvicorn close the
+    # connection: say so, or the client's next request on it is reset.
+    response = _unexpected(exc).response()
+    response.headers["Connection"] = "close"
+    return response
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an exception that no handler took with a JSON 500 and logs its traceback.
+
+    Starlette's own last-resort handler re-raises the exception after its response, and uvicorn then drops the
+    kept-alive connection without a `Connection: close`; answering here keeps the connection usable.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception as exc:
+            if started:
+                raise  # part of a response is out: the connection can only be cut
+            log.exception("unexpected error serving %s %s", scope["method"], scope["path"])
+            await _unexpected(exc).response()(scope, receive, send)
+
+
+def _unexpected(exc: Exception) -> ApiError:
+    return ApiError(500, f"internal server error ({type(exc).__name__}); the server log has the details")

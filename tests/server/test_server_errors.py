@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import http.client
+import json
+import logging
+from pathlib import Path
+from urllib.parse import urlsplit
+
 import httpx
 import openai
 import pytest
@@ -12,8 +18,10 @@ from openai.types.chat import (
     ChatCompletionToolParam,
 )
 
+from cmpchat.server.settings import ServerSettings
 from tests.scripted_backend import EXPLODE
-from tests.server.live import LiveServer
+from tests.server.conftest import scripted_model
+from tests.server.live import LiveServer, live_server
 
 
 def post(server: LiveServer, path: str, **kwargs) -> httpx.Response:
@@ -149,3 +157,32 @@ def test_a_failing_backend_gives_500_not_a_dead_server(client: openai.OpenAI) ->
 def test_server_still_answers(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "SAY:alive"}])
     assert reply.choices[0].message.content == "alive"
+
+
+def test_an_unexpected_error_is_a_json_500_on_a_connection_that_stays_usable(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = scripted_model(tiny_model_path)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in preparation")
+
+    monkeypatch.setattr(model, "chat_request", broken)
+    headers = {"content-type": "application/json"}
+    with live_server(ServerSettings(port=0), lambda: model) as server:
+        address = urlsplit(server.url)
+        assert address.hostname is not None and address.port is not None
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+        chat = json.dumps({"messages": [{"role": "user", "content": "x"}]})
+        for _ in range(3):  # one keep-alive connection throughout: a reset would raise here
+            connection.request("POST", "/v1/chat/completions", body=chat, headers=headers)
+            response = connection.getresponse()
+            error = json.loads(response.read())["error"]
+            assert response.status == 500 and error["type"] == "server_error"
+            assert "RuntimeError" in error["message"] and "a bug" not in error["message"]
+        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "SAY:fine"}), headers=headers)
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["choices"][0]["text"] == "fine"
+        connection.close()
+    logged = [record for record in caplog.records if record.levelno == logging.ERROR and record.exc_info]
+    assert len(logged) == 3 and "RuntimeError: a bug in preparation" in caplog.text  # with its traceback
