@@ -50,7 +50,9 @@ def create_app(
                 CORSMiddleware,
                 allow_origins=list(settings.allowed_origins),
                 allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type"],
+                # Whatever a preflight asks for (the OpenAI JS SDK sends x-stainless-* headers): the origin
+                # list is the gate, and no cookies or credentials are allowed.
+                allow_headers=["*"],
             )
         )
     if settings.api_key is not None:

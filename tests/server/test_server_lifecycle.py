@@ -132,3 +132,23 @@ def test_metrics_parse_as_prometheus_text(scripted_server, client: openai.OpenAI
     assert families["cmpchat_prompt_tokens_per_second"].samples[0].value > 0
     finished = {s.labels["reason"]: s.value for s in families["cmpchat_requests_finished"].samples}
     assert finished["stop"] >= 1
+
+
+def test_cors_preflight_allows_the_headers_a_browser_client_asks_for(tiny_model_path: Path) -> None:
+    model = scripted_model(tiny_model_path)
+    origin = "http://localhost:3000"
+    settings = ServerSettings(port=0, api_key=API_KEY, allowed_origins=(origin,))
+    # What the OpenAI JS SDK's preflight asks for.
+    asked = "authorization,content-type,x-stainless-arch,x-stainless-lang,x-stainless-os,x-stainless-retry-count"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked}
+    with live_server(settings, lambda: model) as server:
+        url = server.api + "/chat/completions"
+        response = httpx.options(url, headers=preflight)  # no API key: a preflight never carries one
+        assert response.status_code == 200, response.text
+        assert response.headers["access-control-allow-origin"] == origin
+        allowed = {name.strip().lower() for name in response.headers["access-control-allow-headers"].split(",")}
+        assert allowed >= set(asked.split(","))
+        assert httpx.options(url, headers={**preflight, "Origin": "http://elsewhere.example"}).status_code == 400
+        body = {"messages": [{"role": "user", "content": "SAY:from a page"}]}
+        reply = httpx.post(url, json=body, headers={"Origin": origin, "Authorization": f"Bearer {API_KEY}"})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == origin
