@@ -1,17 +1,25 @@
-"""Listening: bind the socket ourselves (a clear error for a busy port, port 0 for tests), run uvicorn on it."""
+"""Listening: bind the socket ourselves (a clear error for a busy port, port 0 for tests), run uvicorn on it.
+
+Stopping (SIGTERM, Ctrl+C): uvicorn stops accepting connections and waits for the requests in flight. Those get
+`shutdown_grace_seconds` to finish; then the engine is stopped, which ends the rest as cancelled, so each still
+gets its answer (a JSON 503, or a stream's error event and `[DONE]`) before uvicorn cuts what is left.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import math
 import socket
 
 import uvicorn
-from starlette.types import ASGIApp
+from starlette.applications import Starlette
 
 from cmpchat.errors import CmpchatError
+from cmpchat.server.runtime import Runtime
 
-GRACEFUL_SHUTDOWN_SECONDS = 3
-"""How long open streams may run on after Ctrl+C before they are cut (which cancels their generation)."""
+ANSWER_SECONDS = 2.0
+"""After the grace period, how long the ended requests' answers may take to go out before connections are cut."""
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -30,15 +38,36 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(app: ASGIApp, *, log_level: str = "info", access_log: bool = True) -> uvicorn.Server:
+def make_server(app: Starlette, *, log_level: str = "info", access_log: bool = True) -> uvicorn.Server:
+    """A uvicorn server for an app from `create_app`."""
+    runtime: Runtime = app.state.runtime
     config = uvicorn.Config(
         app,
         log_level=log_level,
         access_log=access_log,
         lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        timeout_graceful_shutdown=math.ceil(runtime.settings.shutdown_grace_seconds + ANSWER_SECONDS),
     )
-    return uvicorn.Server(config)
+    return _Server(config, runtime)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which ends the requests still in flight when the grace period is over."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
+        super().__init__(config)
+        self._runtime = runtime
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        ending = asyncio.create_task(self._end_requests())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    async def _end_requests(self) -> None:
+        await asyncio.sleep(self._runtime.settings.shutdown_grace_seconds)
+        await asyncio.to_thread(self._runtime.close)
 
 
 def is_loopback(host: str) -> bool:

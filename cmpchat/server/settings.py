@@ -32,6 +32,9 @@ class ServerSettings:
     """The model id clients see; by default the model file's name without `.gguf`."""
     allowed_origins: tuple[str, ...] = ()
     """Browser origins allowed to call the API (CORS); none by default."""
+    shutdown_grace_seconds: float = 3.0
+    """After SIGTERM or Ctrl+C, how long requests in flight may run on before they are ended (a 503, or a
+    stream's error event and [DONE])."""
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.7, top_p=0.8, top_k=20))
     """Sampling for the fields a request leaves out (Qwen's recommended settings)."""
 
@@ -43,6 +46,8 @@ class ServerSettings:
                 raise ValueError(f"{name} must be >= 1")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
+        if not self.shutdown_grace_seconds >= 0:
+            raise ValueError("shutdown_grace_seconds must be >= 0")
         if self.max_queue < 0 or self.prefix_cache_entries < 0:
             raise ValueError("max_queue and prefix_cache_entries must be >= 0")
         if self.api_key is not None and not self.api_key:

@@ -55,9 +55,9 @@ def live_server(
     thread.start()
     live = LiveServer(address_of(sock), failures)
     try:
-        _wait(lambda: server.started, "the server to start")
+        wait_for(lambda: server.started, "the server to start")
         if wait_ready:
-            _wait(lambda: httpx.get(live.url + "/health").status_code == 200, "the model to load")
+            wait_for(lambda: httpx.get(live.url + "/health").status_code == 200, "the model to load")
         yield live
     finally:
         server.should_exit = True
@@ -65,7 +65,7 @@ def live_server(
         sock.close()
 
 
-def _wait(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
