@@ -12,12 +12,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cmpchat.server.errors import ApiError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/v1/health"})
 """Routes that answer without the API key (load balancers and supervisors poll them)."""
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every HTTP route but the open ones (401 otherwise)."""
+    """Requires `Authorization: Bearer <key>`, or `X-Api-Key: <key>` as llama-server also takes it, on every HTTP
+    route but the open ones (401 otherwise)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -28,13 +29,18 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         error = ApiError(
-            401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            401,
+            "invalid or missing API key: send the header 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'",
+            code="invalid_api_key",
         )
         await error.response()(scope, receive, send)
 
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key):
+            return True
+        key = headers.get("x-api-key")
+        return key is not None and hmac.compare_digest(key.strip().encode(), self._key)
 
 
 async def read_json(request: Request, limit: int) -> Any:

@@ -71,6 +71,16 @@ def prepare_chat(body: ChatCompletionRequest, model: Model, settings: ServerSett
     return PreparedRequest(generation, body.stream, _include_usage(body))
 
 
+def render_chat(body: ChatCompletionRequest, model: Model) -> str:
+    """The prompt text a chat request's conversation makes, as the model reads it (for /apply-template)."""
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    try:
+        prompt = model.render(messages, tools=_tools(body), enable_thinking=_enable_thinking(body.chat_template_kwargs))
+    except CmpchatError as err:
+        raise ApiError(400, f"messages: {err}", param="messages") from None
+    return prompt.text
+
+
 def prepare_completion(body: CompletionRequest, model: Model, settings: ServerSettings) -> PreparedRequest:
     _refuse_unsupported(body)
     if body.echo:

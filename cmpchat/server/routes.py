@@ -1,4 +1,5 @@
-"""The HTTP endpoints: health, models, chat completions, completions, metrics."""
+"""The HTTP endpoints: health, models, chat completions, completions, metrics, and llama-server's own
+(`llama_endpoints`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from starlette.routing import Route
 from cmpchat.api import Model
 from cmpchat.server.errors import ApiError, error_body
 from cmpchat.server.guard import read_json
+from cmpchat.server.llama_endpoints import llama_routes
 from cmpchat.server.metrics import CONTENT_TYPE, render_metrics
 from cmpchat.server.prepare import PreparedRequest, prepare_chat, prepare_completion
 from cmpchat.server.responses import (
@@ -148,7 +150,9 @@ async def _event_stream(stream: RequestStream, writer: ChunkWriter) -> AsyncIter
 def routes() -> list[Route]:
     table: list[Route] = [
         Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *llama_routes(),
     ]
     # llama-server answers with and without the /v1 prefix; so do we.
     for prefix in ("/v1", ""):

@@ -18,11 +18,20 @@ from typing import Any
 
 from cmpchat.api import Model
 from cmpchat.engine.engine import Engine
-from cmpchat.engine.events import Finished
-from cmpchat.engine.request import EngineEvent, EngineStopped, Failed, GenerationRequest, QueueFull, RequestHandle
+from cmpchat.engine.events import ContentDelta, DecodeProgress, Finished, ReasoningDelta
+from cmpchat.engine.request import (
+    EngineEvent,
+    EngineStopped,
+    Failed,
+    GenerationRequest,
+    QueueFull,
+    RequestHandle,
+    Started,
+)
 from cmpchat.errors import CmpchatError
 from cmpchat.server.errors import ApiError
 from cmpchat.server.settings import ServerSettings
+from cmpchat.server.slots import SlotHolder, SlotTable
 
 log = logging.getLogger("cmpchat.server")
 
@@ -51,6 +60,7 @@ class Runtime:
         self.engine: Engine[Any] | None = None
         self.model_name = settings.model_name or ""
         self.created = int(time.time())
+        self.slots = SlotTable(settings.slots)
         self._load = load
         self._on_failure = on_failure
         self._closed = False
@@ -103,13 +113,14 @@ class Runtime:
     def open(self, request: GenerationRequest) -> RequestStream:
         """Submit `request`; call from the event loop that will read the stream."""
         _, engine = self.ready()
-        return RequestStream(engine, request)
+        return RequestStream(engine, request, self.slots)
 
 
 class RequestStream:
-    """One submitted request seen from asyncio: its event batches in order, and cancellation."""
+    """One submitted request seen from asyncio: its event batches in order, and cancellation; it keeps its row
+    of `slots` up to date from the events read."""
 
-    def __init__(self, engine: Engine[Any], request: GenerationRequest) -> None:
+    def __init__(self, engine: Engine[Any], request: GenerationRequest, slots: SlotTable) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Sequence[EngineEvent]] = asyncio.Queue()
 
@@ -127,18 +138,33 @@ class RequestStream:
             raise ApiError(503, str(err), code="server_busy" if isinstance(err, QueueFull) else None) from None
         except CmpchatError as err:
             raise ApiError(400, str(err)) from None
+        self._slots = slots
+        self._holder = SlotHolder(self.handle.id, request.options)
 
     async def batches(self) -> AsyncIterator[Sequence[EngineEvent]]:
         while not self.finished:
             events = await self._queue.get()
-            if any(isinstance(event, Finished | Failed) for event in events):
-                self.finished = True
+            for event in events:
+                self._note(event)
             yield events
+
+    def _note(self, event: EngineEvent) -> None:
+        holder = self._holder
+        if isinstance(event, Started):
+            self._slots.take(holder)
+        elif isinstance(event, DecodeProgress):
+            holder.generated = event.generated_tokens
+        elif isinstance(event, ContentDelta | ReasoningDelta):
+            holder.new_line = holder.new_line or "\n" in event.text
+        elif isinstance(event, Finished | Failed):
+            self.finished = True
+            self._slots.give_back(holder)
 
     def cancel(self) -> None:
         """Stop generating (the client went away); harmless once finished."""
         if not self.finished:
             self.handle.cancel()
+            self._slots.give_back(self._holder)
 
 
 def _default_name(path: Path) -> str:

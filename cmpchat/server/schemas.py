@@ -1,4 +1,5 @@
-"""The request bodies the server accepts, as typed models (the OpenAI chat and completions APIs).
+"""The request bodies the server accepts, as typed models (the OpenAI chat and completions APIs, llama-server's
+/tokenize and /detokenize).
 
 Validation is strict (no "1" for 1, no 1 for true) and unknown fields are ignored, as OpenAI clients
 send fields that do not apply here. Fields we know but cannot honour are refused in `prepare`.
@@ -130,6 +131,22 @@ class CompletionRequest(GenerationFields):
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
+
+
+class TokenizeRequest(_Body):
+    """llama-server's /tokenize."""
+
+    content: str
+    add_special: bool = False
+    """Add the BOS token: Qwen's files have none to add, so this changes nothing."""
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """llama-server's /detokenize."""
+
+    tokens: list[int]
 
 
 def parse_body(model: type[BodyT], data: object) -> BodyT:

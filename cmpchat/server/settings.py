@@ -17,7 +17,8 @@ class ServerSettings:
     max_queue: int = 64
     """Requests that may wait for a slot; beyond that the server answers 503."""
     api_key: str | None = None
-    """When set, every route but /health needs `Authorization: Bearer <api_key>`."""
+    """When set, every route but /health and /v1/health needs `Authorization: Bearer <api_key>` (or
+    `X-Api-Key: <api_key>`)."""
     max_request_bytes: int = 8 * 2**20
     """Largest request body accepted (413 above)."""
     default_max_tokens: int = 4096

@@ -37,6 +37,9 @@ def test_health_is_503_while_the_model_loads(tiny_model_path: Path) -> None:
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "loading"
         assert health.json()["error"]["type"] == "unavailable_error"
+        assert httpx.get(server.url + "/v1/health").json() == health.json()
+        for path in ("/props", "/slots"):
+            assert httpx.get(server.url + path).status_code == 503
         chat = httpx.post(server.api + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert chat.status_code == 503 and "loading" in chat.json()["error"]["message"]
         assert metric(server.url, "cmpchat_model_loaded") == 0
