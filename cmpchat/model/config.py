@@ -5,6 +5,7 @@ Every size comes from the file (docs/model.md: sizes are read from metadata, nev
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -86,10 +87,12 @@ class ModelConfig:
         """KV-cache bytes one context token takes over all attention layers (fp16 by default)."""
         return len(self.attention_layers) * 2 * self.num_kv_heads * self.head_dim * bytes_per_value
 
-    def recurrent_state_bytes(self) -> int:
-        """Bytes of conv and fp32 delta-rule state one sequence carries over all GDN layers."""
+    def recurrent_state_bytes(self, layers: Iterable[int] | None = None) -> int:
+        """Bytes of conv and fp32 delta-rule state one sequence carries over the GDN layers among `layers`
+        (default: all of them)."""
         per_layer = 4 * ((self.conv_kernel - 1) * self.conv_dim + self.num_v_heads * self.k_head_dim * self.v_head_dim)
-        return len(self.recurrent_layers) * per_layer
+        recurrent = self.recurrent_layers if layers is None else [i for i in layers if i in self.recurrent_layers]
+        return len(recurrent) * per_layer
 
     @classmethod
     def from_model_file(cls, model_file: ModelFile) -> ModelConfig:

@@ -49,7 +49,7 @@ def test_refused_before_any_device_call_naming_the_tensor_and_its_type(q4_k_m_pa
     assert "more tensors: Q4_K, Q5_0, Q6_K" in message
     assert "--backend cpu" in message and "coming" in message
     with pytest.raises(CmpchatError) as planned:
-        CudaBackend.memory_plan(model_file, ModelConfig.from_model_file(model_file))
+        CudaBackend.memory_plans(model_file, ModelConfig.from_model_file(model_file))
     assert one_line(planned) == message
 
 

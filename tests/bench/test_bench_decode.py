@@ -155,13 +155,13 @@ def test_backend_memory_plan_is_what_loading_would_allocate(tiny_model_path: Pat
 
     model = ModelFile(tiny_model_path)
     config = ModelConfig.from_model_file(model)
-    plan = CudaBackend.memory_plan(model, config, sequences=2, context=config.context_length)
+    (plan,) = CudaBackend.memory_plans(model, config, sequences=2, context=config.context_length)
     assert plan.sequences == 2 and plan.context_limit == config.context_length <= plan.pool_tokens
     with pytest.raises(CmpchatError, match="needs .* GiB on the GPU"):
         # Room for everything but a pool of the shortest context worth running.
         fixed = plan.total - plan.kv_pool + RESERVE_BYTES
         short = fixed + (MIN_CONTEXT - 1) * plan.kv_bytes_per_token
-        CudaBackend.memory_plan(model, config, sequences=2, context=config.context_length, gpu_mem=short)
+        CudaBackend.memory_plans(model, config, sequences=2, context=config.context_length, gpu_mem=short)
 
 
 def test_a_failed_build_leaves_no_partial_file(tmp_path: Path) -> None:

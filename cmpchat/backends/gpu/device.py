@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cmpchat.errors import CmpchatError
@@ -53,13 +55,30 @@ def gpu_info(index: int = 0) -> GpuInfo:
         return GpuInfo(index, name, tuple(device.compute_capability), int(free), int(total), sms)
 
 
-def usable_bytes(info: GpuInfo, cap_bytes: int | None) -> int:
-    """Memory cmpchat may plan with: what is free, capped by `--gpu-mem` (to emulate a 16 GB card)."""
-    if cap_bytes is not None:
-        if cap_bytes <= 0:
-            raise CmpchatError("--gpu-mem must be a positive size, e.g. 16G")
-        return min(info.free_bytes, cap_bytes)
-    return info.free_bytes
+def gpu_count() -> int:
+    """GPUs this process may use (the simulator's one counts)."""
+    from numba import cuda
+    from numba.cuda import config
+
+    if config.ENABLE_CUDASIM:
+        return 1
+    return len(cuda.gpus) if cuda_gpu_present() else 0
+
+
+def stage_budgets(gpus: Sequence[GpuInfo], caps: int | Sequence[int | None] | None) -> list[int]:
+    """Memory each stage may plan with: what its GPU has free, shared evenly by the stages on that GPU, capped
+    by `--gpu-mem` (one size for every stage, or one per stage; to emulate 16 GB cards)."""
+    per_stage = [caps] * len(gpus) if caps is None or isinstance(caps, int) else list(caps)
+    if len(per_stage) != len(gpus):
+        raise CmpchatError(f"--gpu-mem gives {len(per_stage)} sizes for {len(gpus)} stages; give one, or one per stage")
+    if any(cap is not None and cap <= 0 for cap in per_stage):
+        raise CmpchatError("--gpu-mem must be a positive size, e.g. 16G")
+    sharing = Counter(info.index for info in gpus)
+    budgets = []
+    for info, cap in zip(gpus, per_stage, strict=True):
+        share = info.free_bytes // sharing[info.index]
+        budgets.append(share if cap is None else min(share, cap))
+    return budgets
 
 
 def parse_size(text: str) -> int:

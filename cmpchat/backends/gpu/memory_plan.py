@@ -28,7 +28,7 @@ PAGE_TOKENS = 256
 
 @dataclass(frozen=True, slots=True)
 class StagePlan:
-    """What one stage allocates on its GPU (the whole model is one stage on one GPU today)."""
+    """What one stage allocates on its GPU: its layers' weights and states, its scratch and its share of the pool."""
 
     layers: range
     weights: int
@@ -87,6 +87,15 @@ def least_pool_tokens(context: int) -> int:
     return min(MIN_CONTEXT, context)
 
 
+def check_kv_tokens(kv_tokens: int | None, least: int) -> None:
+    """Refuse a `--kv-tokens` below the `least` tokens one sequence needs, naming the option."""
+    if kv_tokens is not None and kv_tokens < least:
+        raise CmpchatError(
+            f"a KV pool of {kv_tokens} tokens holds less than one sequence's {least}; "
+            f"raise --kv-tokens to at least {least} or lower --ctx"
+        )
+
+
 def scratch_bytes(config: ModelConfig, batch: int = 16) -> int:
     """Activations of one decode step for `batch` tokens, with room for the widest fused projection."""
     widest = max(
@@ -134,11 +143,7 @@ def plan_stage(
     pool = min(fits, full_contexts, kv_tokens or fits)
     pool = pool // page_tokens * page_tokens
     least = least_pool_tokens(model_context)
-    if kv_tokens is not None and kv_tokens < least:
-        raise CmpchatError(
-            f"a KV pool of {kv_tokens} tokens holds less than one sequence's {least}; "
-            f"raise --kv-tokens to at least {least} or lower --ctx"
-        )
+    check_kv_tokens(kv_tokens, least)
     if pool < least:
         need = fixed + kv_bytes_per_token * least
         raise CmpchatError(

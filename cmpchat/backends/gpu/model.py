@@ -16,6 +16,7 @@ the host.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +24,20 @@ from typing import Any
 import numpy as np
 
 from cmpchat.backends.base import Backend, Chosen, Logits, Progress, Selector, TokenInput, host_tokens
-from cmpchat.backends.gpu.device import GpuInfo, gpu_info, usable_bytes
+from cmpchat.backends.gpu.bridge import HostBridge
+from cmpchat.backends.gpu.buffers import ordering_event
+from cmpchat.backends.gpu.device import GpuInfo, gpu_count, gpu_info, stage_budgets
 from cmpchat.backends.gpu.kv_layout import FP16, KvLayout
-from cmpchat.backends.gpu.memory_plan import MAX_SEQUENCES, PAGE_TOKENS, StagePlan, plan_stage
+from cmpchat.backends.gpu.memory_plan import (
+    MAX_SEQUENCES,
+    PAGE_TOKENS,
+    StagePlan,
+    check_kv_tokens,
+    least_pool_tokens,
+    plan_stage,
+    scratch_bytes,
+)
+from cmpchat.backends.gpu.pipeline_plan import LayerCosts, split_layers
 from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
 from cmpchat.backends.gpu.sampler import GpuChoice, GpuSampler
 from cmpchat.backends.gpu.stage import Stage
@@ -73,26 +85,32 @@ class CudaBackend(Backend[CudaSequence]):
         saved_states: int = 4,
         context: int | None = None,
         kv_tokens: int | None = None,
-        gpu_mem: int | None = None,
+        gpu_mem: int | Sequence[int | None] | None = None,
+        gpus: Sequence[int] | None = None,
+        split: Sequence[int] | None = None,
         use_graphs: bool = True,
         layout: KvLayout = FP16,
         page_tokens: int | None = None,
         progress: Progress | None = None,
         tuning: DeviceTuning | None = None,
     ) -> None:
-        """`tuning`: the launch choices to run (`kernels/device_table.py`); default, the GPU's own row
-        (`default_tuning`: the one CMPCHAT_TUNING names, if set)."""
+        """`gpus`: the GPU of each pipeline stage, repeats allowed (`[0, 0, 0]`: three stages on GPU 0); default,
+        the fewest GPUs, in index order, that hold the model and the asked context. `split`: layers per stage
+        (default: the split with the largest KV pool, then the most even weights). `gpu_mem`: bytes each stage
+        may use, one value or one per stage. `tuning`: the launch choices every stage runs
+        (`kernels/device_table.py`); default, each GPU's own row (`default_tuning`: the one CMPCHAT_TUNING names,
+        if set)."""
         self.config = config = config or ModelConfig.from_model_file(model_file)
         check_gpu_types(model_file, config)  # before any device call: a k-quant file is refused in one line
         self.use_graphs = use_graphs
         self.max_sequences = min(sequences + saved_states, MAX_SEQUENCES)
-        self.gpu = gpu_info(0)
-        self.tuning = tuning or default_tuning(self.gpu)
-        plan = self.memory_plan(
-            model_file, config, sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem,
-            layout=layout, page_tokens=page_tokens, gpu=self.gpu, tuning=self.tuning,
+        options: dict[str, Any] = dict(
+            sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem, layout=layout,
+            page_tokens=page_tokens, split=split,
         )  # fmt: skip
-        self.plans = [plan]
+        infos, self.plans = _choose_stages(model_file, config, gpus, tuning, context, options)
+        tunings = [tuning or default_tuning(info) for info in infos]
+        self.gpu, self.tuning = infos[0], tunings[0]
         last_index = len(self.plans) - 1
         total = sum(
             stage_weight_bytes(model_file, config, p.layers, first=i == 0, last=i == last_index)
@@ -107,61 +125,108 @@ class CudaBackend(Backend[CudaSequence]):
                 progress("loading weights onto the GPU", min(uploaded, total), total)
 
         self.stages = [
-            Stage.load(i, self.gpu, self.tuning, p, model_file, config, layout, first=i == 0,
-                       last=i == len(self.plans) - 1, use_graphs=use_graphs, on_upload=on_upload)
-            for i, p in enumerate(self.plans)
+            Stage.load(i, info, row, p, model_file, config, layout, first=i == 0, last=i == last_index,
+                       use_graphs=use_graphs, on_upload=on_upload)
+            for i, (info, row, p) in enumerate(zip(infos, tunings, self.plans, strict=True))
         ]  # fmt: skip
         if progress is not None:
             progress("loading weights onto the GPU", total, total)
-        self.pool = PagePool(min(p.pool_pages for p in self.plans), plan.page_tokens)
+        self.pool = PagePool(self.plans[0].pool_pages, self.plans[0].page_tokens)
         self.context_limit = min(p.context_limit for p in self.plans)
-        last = self.stages[-1]
-        self._sampler = GpuSampler(last.stream, use_graphs, last.buffers.logits, self.stages[0].buffers.tokens)
+        width = PROMPT_ROWS * config.hidden_size
+        self.bridges = [
+            HostBridge((stage.on_device, stage.stream), (after.on_device, after.stream), width)
+            for stage, after in zip(self.stages, self.stages[1:], strict=False)
+        ]
+        first, last = self.stages[0], self.stages[-1]
+        self._ids_on_device = first.gpu.index == last.gpu.index
+        """Whether the selection writes the chosen ids into the first stage's token input (same GPU; across
+        GPUs they come back through the host, as there is no P2P)."""
+        with last.on_device():
+            token_rows = first.buffers.tokens if self._ids_on_device else last.buffers.tokens
+            self._sampler = GpuSampler(last.stream, use_graphs, last.buffers.logits, token_rows)
+            self._selected = ordering_event()
         self._free_slots = list(range(self.max_sequences))[::-1]
         self._fed: GpuChoice | None = None
         """The selection whose ids the first stage's token input holds (no step has uploaded tokens since)."""
 
     @staticmethod
-    def memory_plan(
+    def memory_plans(
         model_file: ModelFile,
         config: ModelConfig,
         *,
+        gpus: Sequence[GpuInfo] | None = None,
+        tunings: Sequence[DeviceTuning] | None = None,
+        split: Sequence[int] | None = None,
         sequences: int = 1,
         context: int | None = None,
         kv_tokens: int | None = None,
-        gpu_mem: int | None = None,
+        gpu_mem: int | Sequence[int | None] | None = None,
         layout: KvLayout = FP16,
         page_tokens: int | None = None,
-        gpu: GpuInfo | None = None,
-        tuning: DeviceTuning | None = None,
-    ) -> StagePlan:
-        """What loading would allocate on GPU 0 for `sequences` sequence states (running and saved): the weights,
-        their states, the step buffers and a KV pool of what is left; raises CmpchatError when the pool cannot
-        hold even a short context. `gpu`: GPU 0 as already read (else it is read here); `tuning`: the launch
-        choices loading would run (default, the GPU's: `default_tuning`)."""
+    ) -> list[StagePlan]:
+        """What loading would allocate on each stage's GPU (`gpus`, default GPU 0 alone) for `sequences` sequence
+        states (running and saved): its layers' weights and states, its step buffers and its share of a KV pool
+        that every stage holds for its attention layers. Raises CmpchatError, with the numbers, when the pool
+        cannot hold even a short context. `tunings`: the launch choices each stage would run (default, each
+        GPU's: `default_tuning`)."""
         check_gpu_types(model_file, config)
-        info = gpu or gpu_info(0)
-        tuning = tuning or default_tuning(info)
-        layers = range(config.num_layers)
-        page_tokens = _page_tokens(config, page_tokens or PAGE_TOKENS, tuning)
-        pages_per_row = -(-min(context or config.context_length, config.context_length) // page_tokens)
-        step_scratch = PromptBuffers.reserved_bytes(config, tuning, info.multiprocessors, PROMPT_ROWS, pages_per_row)
-        step_scratch += StepBuffers.page_table_bytes(pages_per_row)
-        return plan_stage(
-            config,
-            weights=stage_weight_bytes(model_file, config, layers, first=True, last=True),
-            largest_tensor=max(t.n_bytes for t in model_file.tensors.values()),
-            budget=usable_bytes(info, gpu_mem),
-            kv_bytes_per_token=layout.bytes_per_token(config, config.attention_layers),
-            recurrent_bytes_per_sequence=config.recurrent_state_bytes(),
-            layers=layers,
-            kv_layout=layout.name,
-            sequences=sequences,
-            context=context,
-            kv_tokens=kv_tokens,
-            page_tokens=page_tokens,
-            prompt_scratch=step_scratch,
+        infos = list(gpus) if gpus else [gpu_info(0)]
+        rows = list(tunings) if tunings else [default_tuning(info) for info in infos]
+        page_tokens = _page_tokens(config, page_tokens or PAGE_TOKENS, rows)
+        model_context = min(context or config.context_length, config.context_length)
+        pages_per_row = -(-model_context // page_tokens)
+        prompt_scratch = [
+            PromptBuffers.reserved_bytes(config, row, info.multiprocessors, PROMPT_ROWS, pages_per_row)
+            + StepBuffers.page_table_bytes(pages_per_row)
+            for info, row in zip(infos, rows, strict=True)
+        ]
+        budgets = stage_budgets(infos, gpu_mem)
+        largest = max(t.n_bytes for t in model_file.tensors.values())
+        every = range(config.num_layers)
+
+        def stage_plan(stage: int, layers: range, pool_tokens: int | None) -> StagePlan:
+            return plan_stage(
+                config,
+                weights=stage_weight_bytes(
+                    model_file, config, layers, first=stage == 0, last=layers.stop == every.stop
+                ),
+                largest_tensor=largest,
+                budget=budgets[stage],
+                kv_bytes_per_token=layout.bytes_per_token(config, [i for i in layers if i in config.attention_layers]),
+                recurrent_bytes_per_sequence=config.recurrent_state_bytes(layers),
+                layers=layers,
+                kv_layout=layout.name,
+                sequences=sequences,
+                context=context,
+                kv_tokens=pool_tokens,
+                page_tokens=page_tokens,
+                prompt_scratch=prompt_scratch[stage],
+            )
+
+        if len(infos) == 1:
+            if split is not None and list(split) != [config.num_layers]:
+                raise CmpchatError(f"--split names {len(split)} stages but there is one (--gpus names the stages)")
+            return [stage_plan(0, every, kv_tokens)]
+        least = least_pool_tokens(model_context)
+        check_kv_tokens(kv_tokens, least)
+        costs = LayerCosts(
+            weights=[stage_weight_bytes(model_file, config, range(i, i + 1), first=False, last=False) for i in every],
+            kv_per_token=[layout.bytes_per_token(config, [i] if i in config.attention_layers else []) for i in every],
+            state_per_sequence=[config.recurrent_state_bytes([i]) for i in every],
+            first_extra=stage_weight_bytes(model_file, config, range(0), first=True, last=False),
+            last_extra=stage_weight_bytes(model_file, config, range(0), first=False, last=True),
         )
+        most = (
+            sequences * pages_per_row * page_tokens
+            if kv_tokens is None
+            else min(kv_tokens, sequences * pages_per_row * page_tokens)
+        )
+        found = split_layers(
+            costs, budgets, [scratch_bytes(config) + s for s in prompt_scratch], sequences=sequences,
+            page_tokens=page_tokens, most_tokens=most, least_tokens=least, counts=split, describe=lambda: config.name,
+        )  # fmt: skip
+        return [stage_plan(i, layers, found.pool_tokens) for i, layers in enumerate(found.ranges)]
 
     @property
     def plan(self) -> StagePlan:
@@ -196,11 +261,13 @@ class CudaBackend(Backend[CudaSequence]):
                 progress("preparing the GPU kernels", done, len(work))
             if kind == "prompt":
                 for stage in self.stages:
-                    stage.prepare_prompt_step(size, run=size == 0)
+                    with stage.on_device():
+                        stage.prepare_prompt_step(size, run=size == 0)
                 continue
             self._upload_inputs([], [], [], [], tokens_on_device=False)
             for stage in self.stages:
-                stage.run_decode(size, kind == "tail")
+                with stage.on_device():
+                    stage.run_decode(size, kind == "tail")
             if kind == "decode":
                 logits = CudaLogits(self.stages[-1].buffers.logits[:size], size)
                 rng = np.random.default_rng(0)
@@ -208,7 +275,8 @@ class CudaBackend(Backend[CudaSequence]):
                     self.select(logits, [Selector(params, [0], rng)] * size).tokens()
         self._fed = None
         for stage in self.stages:
-            stage.stream.synchronize()
+            with stage.on_device():
+                stage.stream.synchronize()
         if progress is not None:
             progress("preparing the GPU kernels", len(work), len(work))
 
@@ -221,14 +289,16 @@ class CudaBackend(Backend[CudaSequence]):
     def new_sequence(self) -> CudaSequence:
         slot = self._take_slot()
         for stage in self.stages:
-            stage.states.clear(slot, stage.stream)
+            with stage.on_device():
+                stage.states.clear(slot, stage.stream)
         return CudaSequence(slot, PageList(self.pool))
 
     def fork(self, sequence: CudaSequence) -> CudaSequence:
         _check_live(sequence)
         slot = self._take_slot()
         for stage in self.stages:
-            stage.states.copy(sequence.slot, slot, stage.stream)
+            with stage.on_device():
+                stage.states.copy(sequence.slot, slot, stage.stream)
         return CudaSequence(slot, sequence.pages.share(), sequence.next_position)
 
     def release(self, sequence: CudaSequence) -> None:
@@ -328,7 +398,8 @@ class CudaBackend(Backend[CudaSequence]):
         fed = self._fed
         rows = len(tokens)
         return (
-            fed is not None
+            self._ids_on_device
+            and fed is not None
             and rows == fed.rows == token_bucket(rows)
             and all(isinstance(t, Chosen) and t.selection is fed and t.row == i for i, t in enumerate(tokens))
         )
@@ -339,17 +410,23 @@ class CudaBackend(Backend[CudaSequence]):
             raise TypeError(f"{type(logits).__name__} is not this backend's logits")
         if len(selectors) != logits.rows:
             raise ValueError(f"{len(selectors)} selectors for {logits.rows} rows of logits")
-        self._fed = self._sampler.select(
-            logits.device, [s.params for s in selectors], [s.history for s in selectors], [s.rng for s in selectors]
-        )
+        last = self.stages[-1]
+        with last.on_device():
+            self._fed = self._sampler.select(
+                logits.device, [s.params for s in selectors], [s.history for s in selectors], [s.rng for s in selectors]
+            )
+            if len(self.stages) > 1 and self._ids_on_device:  # the first stage's next step reads the ids
+                self._selected.record(last.stream)
+                self._selected.wait(self.stages[0].stream)
         return self._fed
 
     def to_host(self, logits: Logits) -> np.ndarray:
         if not isinstance(logits, CudaLogits):
             raise TypeError(f"{type(logits).__name__} is not this backend's logits")
-        stream = self.stages[-1].stream
-        host = logits.device.copy_to_host(stream=stream)
-        stream.synchronize()
+        last = self.stages[-1]
+        with last.on_device():
+            host = logits.device.copy_to_host(stream=last.stream)
+            last.stream.synchronize()
         return host
 
     def _grow(self, sequence: CudaSequence, tokens: int) -> None:
@@ -357,7 +434,8 @@ class CudaBackend(Backend[CudaSequence]):
         copies: list[PageCopy] = sequence.pages.grow(tokens)
         if copies:
             for stage in self.stages:
-                stage.kv.copy(copies, stage.stream)
+                with stage.on_device():
+                    stage.kv.copy(copies, stage.stream)
 
     def _step(
         self,
@@ -394,8 +472,10 @@ class CudaBackend(Backend[CudaSequence]):
         self._upload_inputs(row_tokens, row_positions, row_slots, row_pages, tokens_on_device=tokens is None)
         bucket = token_bucket(rows)
         for stage in self.stages:
-            stage.run_decode(bucket, prompt)
-            self._hand_off(stage)
+            with stage.on_device():
+                stage.run_decode(bucket, prompt)
+            if stage.index + 1 < len(self.stages):
+                self._hand_off(stage, stage.buffers.hidden[:rows], self.stages[stage.index + 1].buffers.hidden[:rows])
         return CudaLogits(self.stages[-1].buffers.logits[:rows], rows)
 
     def _upload_inputs(
@@ -415,7 +495,8 @@ class CudaBackend(Backend[CudaSequence]):
             if rows:
                 host_positions[:rows] = positions
             host_slots[:rows] = slots
-            stage.buffers.inputs.upload(stage.stream, pages, tokens_on_device=tokens_on_device)
+            with stage.on_device():
+                stage.buffers.inputs.upload(stage.stream, pages, tokens_on_device=tokens_on_device)
         if not tokens_on_device:
             self._fed = None
 
@@ -428,19 +509,22 @@ class CudaBackend(Backend[CudaSequence]):
         self._grow(sequence, len(ids))
         for stage in self.stages:
             assert stage.prompt is not None
-            stage.prompt.upload(ids, rows, sequence.pages.pages, stage.stream)
-            stage.run_prompt(sequence.slot)
-            self._hand_off(stage)
+            with stage.on_device():
+                stage.prompt.upload(ids, rows, sequence.pages.pages, stage.stream)
+                stage.run_prompt(sequence.slot)
+            if stage.index + 1 < len(self.stages):
+                after = self.stages[stage.index + 1].prompt
+                assert after is not None
+                self._hand_off(stage, stage.prompt.hidden, after.hidden)
         sequence.next_position = int(rows[-1, 1:].max()) + 1
         last = self.stages[-1].prompt
         assert last is not None
         return CudaLogits(last.logits, 1)
 
-    def _hand_off(self, stage: Stage) -> None:
-        """Pass the hidden states of `stage`'s rows to the next stage (device -> pinned host -> device, never
-        P2P); the last stage hands nothing on. With one stage there is no next one."""
-        if stage.index + 1 < len(self.stages):
-            raise NotImplementedError("pipelines of several stages come with the multi-GPU work")
+    def _hand_off(self, stage: Stage, source: Any, target: Any) -> None:
+        """Pass `stage`'s hidden states (`source`) to the next stage's input (`target`) through the host
+        (`bridge.py`: never P2P, ordered by the host)."""
+        self.bridges[stage.index].send(source, target)
 
     # -- benchmarks ---------------------------------------------------------------------------------------
 
@@ -471,14 +555,57 @@ class CudaBackend(Backend[CudaSequence]):
         before = len(sequence.pages.pages)
         self._grow(sequence, length - sequence.length)
         for stage in self.stages:
-            stage.kv.zero(sequence.pages.pages[before:], stage.stream)
+            with stage.on_device():
+                stage.kv.zero(sequence.pages.pages[before:], stage.stream)
         sequence.next_position = length
 
 
-def _page_tokens(config: ModelConfig, wanted: int, tuning: DeviceTuning) -> int:
-    """The KV page size nearest above `wanted` that holds whole tiles of both attention kernels."""
-    tile = tuning.page_tile(config.head_dim)
+def _page_tokens(config: ModelConfig, wanted: int, tunings: Sequence[DeviceTuning]) -> int:
+    """The KV page size nearest above `wanted` that holds whole tiles of both attention kernels in every stage's
+    tuning (a page number means the same tokens on every stage)."""
+    tile = math.lcm(*(tuning.page_tile(config.head_dim) for tuning in tunings))
     return -(-wanted // tile) * tile
+
+
+def _choose_stages(
+    model_file: ModelFile,
+    config: ModelConfig,
+    gpus: Sequence[int] | None,
+    tuning: DeviceTuning | None,
+    context: int | None,
+    options: dict[str, Any],
+) -> tuple[list[GpuInfo], list[StagePlan]]:
+    """Each stage's GPU and plan: the GPUs `gpus` names; else as many stages as a manual split names; else the
+    fewest GPUs, in index order, that hold the model and (when asked) a `context`-token sequence, or, when no
+    count holds that context, the most that hold the model."""
+
+    def plans_for(indices: Sequence[int]) -> tuple[list[GpuInfo], list[StagePlan]]:
+        known = {index: gpu_info(index) for index in dict.fromkeys(indices)}
+        infos = [known[index] for index in indices]
+        tunings = [tuning or default_tuning(info) for info in infos]
+        return infos, CudaBackend.memory_plans(model_file, config, gpus=infos, tunings=tunings, **options)
+
+    if gpus is not None:
+        if not gpus or any(index < 0 for index in gpus):
+            raise CmpchatError("--gpus takes GPU indices such as 0,1,2 (one per stage, repeats allowed)")
+        return plans_for(list(gpus))
+    split = options.get("split")
+    counts = [len(split)] if split is not None else list(range(1, max(gpu_count(), 1) + 1))
+    fitting: tuple[list[GpuInfo], list[StagePlan]] | None = None
+    refusal: CmpchatError | None = None
+    wanted = None if context is None else min(context, config.context_length)
+    for count in counts:
+        try:
+            fitting = plans_for(list(range(count)))
+        except CmpchatError as error:
+            refusal = error
+            continue
+        if wanted is None or min(p.context_limit for p in fitting[1]) >= wanted:
+            return fitting
+    if fitting is None:
+        assert refusal is not None
+        raise refusal
+    return fitting
 
 
 def _check_live(sequence: CudaSequence) -> None:

@@ -109,8 +109,8 @@ def split_layers(
 
     everything = sum(costs.weights) + costs.last_extra
     if greedy(least_pages, everything) is None:
-        ranges = greedy(0, everything) or _even(costs.layers, stages)
-        raise CmpchatError(_refusal(describe(), costs, budgets, ranges, least_tokens, sequences, manual=False))
+        tried = greedy(0, everything) or _even(costs.layers, stages)
+        raise CmpchatError(_refusal(describe(), costs, budgets, tried, least_tokens, sequences, manual=False))
     low, high = least_pages, most_pages  # low fits
     while low < high:
         middle = (low + high + 1) // 2
@@ -120,9 +120,9 @@ def split_layers(
     while light < heavy:
         middle = (light + heavy) // 2
         light, heavy = (light, middle) if greedy(pages, middle) is not None else (middle + 1, heavy)
-    ranges = greedy(pages, heavy)
-    assert ranges is not None
-    return Split(ranges, pages * page_tokens)
+    balanced = greedy(pages, heavy)
+    assert balanced is not None
+    return Split(balanced, pages * page_tokens)
 
 
 def _ranges_of(counts: Sequence[int], layers: int, stages: int) -> list[range]:

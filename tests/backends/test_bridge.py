@@ -1,0 +1,56 @@
+"""The host bridge between pipeline stages: many thousand hand-offs of random payloads, every byte checked.
+
+On the GPU the producer and the consumer are two streams (as two stages on one GPU are), so a hand-off whose
+ordering were wrong would let the consumer read a buffer the producer has not finished writing, or the producer
+overwrite one the consumer has not read yet. The consumer copies each arrival aside on its own stream; nothing
+waits between hand-offs except what the bridge itself waits for, and only at the end are all arrivals compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from cmpchat.backends.gpu.bridge import HostBridge
+
+
+def hand_off_many(handoffs: int, width: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    producer_stream, consumer_stream = cuda.stream(), cuda.stream()
+    here = contextlib.nullcontext
+    bridge = HostBridge((here, producer_stream), (here, consumer_stream), width)
+    payloads = cuda.pinned_array((handoffs, width), np.float32)
+    payloads[:] = rng.standard_normal((handoffs, width), dtype=np.float32)
+    source, target = cuda.device_array(width, np.float32), cuda.device_array(width, np.float32)
+    arrived = cuda.device_array((handoffs, width), np.float32)
+    for i in range(handoffs):
+        size = int(rng.integers(1, width + 1))  # hidden states of 1 to 256 rows differ in size
+        source[:size].copy_to_device(payloads[i, :size], stream=producer_stream)
+        bridge.send(source[:size], target[:size])
+        arrived[i, :size].copy_to_device(target[:size], stream=consumer_stream)
+        payloads[i, size:] = 0
+        arrived[i, size:].copy_to_device(payloads[i, size:], stream=consumer_stream)
+    consumer_stream.synchronize()
+    got = arrived.copy_to_host()
+    wrong = np.flatnonzero((got.view(np.uint32) != payloads.view(np.uint32)).any(axis=1))
+    assert wrong.size == 0, f"{wrong.size} of {handoffs} hand-offs arrived wrong, the first at {wrong[:1]}"
+    assert bridge.handoffs == handoffs
+
+
+def test_ten_thousand_hand_offs_arrive_byte_for_byte():
+    hand_off_many(10_000, 16)
+
+
+def test_a_payload_larger_than_the_bridge_is_refused():
+    here = contextlib.nullcontext
+    bridge = HostBridge((here, cuda.stream()), (here, cuda.stream()), 4)
+    with pytest.raises(ValueError, match="cannot hand 8 values"):
+        bridge.send(cuda.device_array(8, np.float32), cuda.device_array(8, np.float32))
+
+
+@pytest.mark.gpu
+def test_ten_thousand_hand_offs_of_27b_hidden_states_arrive_byte_for_byte_on_the_gpu():
+    hand_off_many(10_000, 5120)
