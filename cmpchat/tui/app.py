@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import RenderableType
 from textual import work
 from textual.app import App
 from textual.binding import Binding
@@ -177,19 +176,12 @@ class CmpchatApp(App[None]):
         self.history.close()
         os._exit(128 + signal.SIGHUP)
 
-    def exit(self, result: None = None, return_code: int = 0, message: RenderableType | None = None) -> None:
-        # Every way out comes here: keep a streaming reply (marked interrupted) and stop its thread now,
-        # since closing the screen waits for its workers.
-        self._save_interrupted()
-        super().exit(result, return_code, message)
-
     def _save_interrupted(self) -> None:
         screen = self.chat_screen
         if screen is not None:
             screen.save_interrupted()
 
     def on_unmount(self) -> None:
-        self._save_interrupted()
         if self._gpu_monitor is not None:
             self._gpu_monitor.stop()
         self._save_state()

@@ -48,7 +48,9 @@ class ScriptedModel:
     """Answers every chat with `reasoning` (when thinking is on) then `answer`, split in `pieces` deltas.
 
     `delay` seconds pass between deltas; `gate`, when given, holds the reply after its first delta until
-    set (or until cancelled), to test stopping mid-reply.
+    set (or until cancelled), to test stopping mid-reply; `pace`, when given, holds each delta until
+    released once, so a test decides what streams between its steps. `ended` is set when a reply's
+    events run out, however they ended.
     """
 
     answer: str = ANSWER
@@ -56,6 +58,8 @@ class ScriptedModel:
     pieces: int = 6
     delay: float = 0.0
     gate: threading.Event | None = None
+    pace: threading.Semaphore | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
     tool_call: ToolCall | None = None
     is_demo: bool = False
     path: Path = Path("Qwen3.6-27B-Q8_0.gguf")
@@ -86,6 +90,12 @@ class ScriptedModel:
         return self._events(enable_thinking, cancel)
 
     def _events(self, thinking: bool | None, cancel: threading.Event | None) -> Iterator[GenerationEvent]:
+        try:
+            yield from self._script(thinking, cancel)
+        finally:
+            self.ended.set()
+
+    def _script(self, thinking: bool | None, cancel: threading.Event | None) -> Iterator[GenerationEvent]:
         prompt_tokens = 18_204
         yield PromptProgress(4_096, prompt_tokens, 812.0)
         yield PromptProgress(prompt_tokens, prompt_tokens, 812.0)
@@ -100,6 +110,10 @@ class ScriptedModel:
         generated = 0
         reason: FinishReason = "stop"
         for index, delta in enumerate(deltas):
+            if self.pace is not None:
+                while not self.pace.acquire(timeout=0.01):
+                    if cancel is not None and cancel.is_set():
+                        break
             if cancel is not None and cancel.is_set():
                 reason = "cancelled"
                 break

@@ -321,8 +321,13 @@ class ChatScreen(Screen[None]):
             self.speed = replace(self.speed, phase="error")
         self.refresh_chat_lists()
 
+    def on_unmount(self) -> None:
+        # Every way the app ends closes this screen, a crash included (Textual then never calls `exit`):
+        # the reply's thread must be told to stop here, or the process cannot end while it generates.
+        self.save_interrupted()
+
     def save_interrupted(self) -> None:
-        """The app is ending mid-reply: keep what was written, marked interrupted."""
+        """The app is ending mid-reply: stop the reply, keep what was written, marked interrupted."""
         run, self.active_reply = self.active_reply, None
         if run is None:
             return

@@ -13,6 +13,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.message import Message
 from textual.reactive import reactive
+from textual.strip import Strip
 from textual.widgets import Static, TextArea
 
 from cmpchat.history.images import StoredImage
@@ -69,6 +70,14 @@ class PromptArea(TextArea, inherit_bindings=False):
             placeholder=PLACEHOLDER,
             highlight_cursor_line=False,
         )
+
+    def render_line(self, y: int) -> Strip:
+        # TextArea wraps its placeholder to the content width, and rich cannot wrap to 0 columns (it
+        # raises in chop_cells). A prompt squeezed to no columns (a terminal narrower than its border and
+        # padding, or the one frame after a jump from wide to narrow) has nothing to show.
+        if self.content_size.width < 1:
+            return Strip.blank(0)
+        return super().render_line(y)
 
     def action_submit(self) -> None:
         self.post_message(self.Submitted(self, self.text))
