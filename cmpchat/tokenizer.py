@@ -144,7 +144,7 @@ class Tokenizer:
         in JSON and in a Python str, but not Unicode text) are read as U+FFFD, and a surrogate
         pair as the character it encodes, as a browser reads the same string.
         """
-        text = _without_surrogates(text)
+        text = without_surrogates(text)
         # NFC here rather than as a `tokenizers` normaliser: it must run before special tokens are
         # matched, as in the reference tokenizer (NFC turns ">" + U+0338 into "≯")
         text = unicodedata.normalize("NFC", text)
@@ -199,7 +199,9 @@ class StreamDecoder:
         return self._utf8.decode(b"", final=True)
 
 
-def _without_surrogates(text: str) -> str:
+def without_surrogates(text: str) -> str:
+    """`text` as Unicode, as `Tokenizer.encode` reads it: a lone UTF-16 surrogate becomes U+FFFD, a surrogate pair
+    the character it encodes."""
     if _SURROGATE.search(text) is None:
         return text
     # Through UTF-16, where surrogates are what they were made for: pairs join, the rest become U+FFFD.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from typing import Any, NoReturn
 
 from starlette.datastructures import Headers
@@ -11,6 +12,10 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cmpchat.server.errors import ApiError
+from cmpchat.tokenizer import without_surrogates
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""Where a JSON text can hold a UTF-16 surrogate: only in an escape (UTF-8 cannot encode one)."""
 
 OPEN_PATHS = frozenset({"/health", "/v1/health"})
 """Routes that answer without the API key (load balancers and supervisors poll them)."""
@@ -44,7 +49,8 @@ class ApiKeyMiddleware:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request body decoded as JSON; 413 past `limit` bytes, 400 when it is not JSON."""
+    """The request body decoded as JSON, every string in it Unicode (lone surrogates as U+FFFD, so that none reaches
+    a template, a response or a log); 413 past `limit` bytes, 400 when it is not JSON."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         _too_large(limit)
@@ -56,9 +62,20 @@ async def read_json(request: Request, limit: int) -> Any:
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        value = json.loads(body, parse_constant=_reject_constant)
+        return _unicode(value) if _SURROGATE_ESCAPE.search(body) else value
     except (ValueError, RecursionError) as err:
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
+
+
+def _unicode(value: Any) -> Any:
+    if isinstance(value, str):
+        return without_surrogates(value)
+    if isinstance(value, list):
+        return [_unicode(item) for item in value]
+    if isinstance(value, dict):
+        return {_unicode(key): _unicode(item) for key, item in value.items()}
+    return value
 
 
 def _too_large(limit: int) -> NoReturn:

@@ -75,3 +75,10 @@ def test_a_lone_surrogate_in_an_error_message_is_still_json(scripted_server: Liv
     response = post_raw(scripted_server, "/v1/chat/completions", body)
     assert response.status_code == 400
     assert "not among the tools" in json.loads(response.text)["error"]["message"]
+
+
+def test_no_lone_surrogate_comes_back_in_a_response(scripted_server: LiveServer) -> None:
+    body = '{"messages": [{"role": "user", "content": "cut ' + LONE + 'x"}]}'
+    response = post_raw(scripted_server, "/apply-template", body)
+    assert response.status_code == 200, response.text
+    assert "cut \ufffdx" in response.json()["prompt"]
