@@ -1,7 +1,8 @@
 """Which request holds which of the engine's slots, as the server sees it from the events it reads (for /slots).
 
 A request takes the lowest free slot when its `Started` event is read and gives it back with its last event, or
-when it is cancelled. Everything here runs on the event loop's thread.
+when it is cancelled; one that the engine preempts keeps its row while it waits to resume. Everything here runs on
+the event loop's thread.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ import pytest
 
 from cmpchat import __version__
 from cmpchat.chat.messages import Message
+from cmpchat.engine.reply import GenerationOptions
 from cmpchat.server.settings import ServerSettings
+from cmpchat.server.slots import SlotHolder, SlotTable
 from tests.scripted_backend import FOREVER
 from tests.server.conftest import API_KEY, scripted_model
 from tests.server.live import LiveServer, live_server, metric, wait_for
@@ -150,6 +152,21 @@ def test_slots_show_the_requests_that_hold_them(slow_server: LiveServer) -> None
         assert slots(slow_server, "?fail_on_no_slot=1")  # one is still free
         stream.close()
     wait_for(lambda: not any(slot["is_processing"] for slot in slots(slow_server)), "the slot to be free")
+
+
+def test_a_slot_table_takes_the_lowest_free_slot_and_shows_a_late_ending_as_an_extra_row() -> None:
+    table = SlotTable(2)
+    first, second, third = (SlotHolder(task, GenerationOptions()) for task in (1, 2, 3))
+    table.take(first)
+    table.take(second)
+    table.take(third)  # the engine freed a slot whose holder's Finished is not read yet
+    assert table.holders() == [first, second, third]
+    table.give_back(first)
+    assert table.holders() == [None, second, third]
+    table.give_back(third)
+    assert table.holders() == [None, second]
+    table.take(third)
+    assert table.holders() == [third, second]
 
 
 def test_slots_fail_on_no_slot_is_503_when_every_slot_is_busy(slow_server: LiveServer) -> None:
