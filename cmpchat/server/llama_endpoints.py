@@ -52,10 +52,15 @@ async def tokenize(request: Request) -> Response:
     runtime = _runtime(request)
     model, _ = runtime.ready()
     body = parse_body(TokenizeRequest, await _body(request, runtime))
-    ids = await anyio.to_thread.run_sync(lambda: model.tokenize(body.content, parse_special=body.parse_special))
+    # A long text takes a while: keep it off the event loop.
+    return JSONResponse({"tokens": await anyio.to_thread.run_sync(_tokens, body, model)})
+
+
+def _tokens(body: TokenizeRequest, model: Model) -> list[int] | list[dict[str, Any]]:
+    ids = model.tokenize(body.content, parse_special=body.parse_special)
     if not body.with_pieces:
-        return JSONResponse({"tokens": ids})
-    return JSONResponse({"tokens": [{"id": token, "piece": _piece(model, token)} for token in ids]})
+        return ids
+    return [{"id": token, "piece": _piece(model, token)} for token in ids]
 
 
 def _piece(model: Model, token: int) -> str | list[int]:
