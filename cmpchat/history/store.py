@@ -22,7 +22,8 @@ MessageStatus: TypeAlias = Literal["complete", "streaming", "stopped", "interrup
 """complete: the model ended it; streaming: being written now (or the writer died); stopped: the person
 stopped it; interrupted: the app ended while it streamed; error: generation failed."""
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""1: the first schema; 2: messages.model (the model that wrote a reply)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS chats (
@@ -43,7 +44,8 @@ CREATE TABLE IF NOT EXISTS messages (
     images TEXT NOT NULL DEFAULT '[]',
     status TEXT NOT NULL DEFAULT 'complete',
     stats TEXT NOT NULL DEFAULT '{}',
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    model TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_chat ON messages(chat_id, id);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
@@ -76,7 +78,8 @@ class ChatRecord:
 
 @dataclass(slots=True)
 class MessageRecord:
-    """One stored turn. `images` are ids in the `ImageStore`; `stats` the reply's timings."""
+    """One stored turn. `images` are ids in the `ImageStore`; `stats` the reply's timings; `model` the model
+    that wrote a reply (as the front end names it), empty for the person's messages."""
 
     id: int
     chat_id: int
@@ -88,6 +91,7 @@ class MessageRecord:
     status: MessageStatus = "complete"
     stats: dict[str, float] = field(default_factory=dict)
     created_at: float = 0.0
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,19 @@ class HistoryStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self._migrate()
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _migrate(self) -> None:
+        """Bring a database written by an older schema up to this one."""
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(messages)")}
+        if "model" not in columns:  # schema 1: replies did not record their model; the chat's is the best guess
+            with self._transaction():
+                self._db.execute("ALTER TABLE messages ADD COLUMN model TEXT NOT NULL DEFAULT ''")
+                self._db.execute(
+                    "UPDATE messages SET model=(SELECT model FROM chats WHERE chats.id=messages.chat_id)"
+                    " WHERE role='assistant'"
+                )
 
     def close(self) -> None:
         self._db.close()
@@ -174,17 +190,18 @@ class HistoryStore:
         reasoning: str = "",
         images: Sequence[str] = (),
         status: MessageStatus = "complete",
+        model: str = "",
     ) -> MessageRecord:
         now = time.time()
         with self._transaction():
             cursor = self._db.execute(
-                "INSERT INTO messages(chat_id, role, content, reasoning, images, status, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (chat_id, role, content, reasoning, json.dumps(list(images)), status, now),
+                "INSERT INTO messages(chat_id, role, content, reasoning, images, status, created_at, model)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, reasoning, json.dumps(list(images)), status, now, model),
             )
             self._db.execute("UPDATE chats SET updated_at=? WHERE id=?", (now, chat_id))
         return MessageRecord(
-            int(cursor.lastrowid or 0), chat_id, role, content, reasoning, [], list(images), status, {}, now
+            int(cursor.lastrowid or 0), chat_id, role, content, reasoning, [], list(images), status, {}, now, model
         )
 
     def update_message(
@@ -282,4 +299,5 @@ def _message(row: sqlite3.Row) -> MessageRecord:
         status=row["status"],
         stats=json.loads(row["stats"]),
         created_at=row["created_at"],
+        model=row["model"],
     )

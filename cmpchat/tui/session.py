@@ -83,19 +83,21 @@ class ChatSession:
         if self.chat is not None:
             self.store.update_chat(self.chat.id, settings=options.to_dict())
 
-    def add_user_message(self, text: str, images: list[str], model_name: str) -> MessageRecord:
+    def add_user_message(self, text: str, images: list[str]) -> MessageRecord:
         if self.chat is None:
-            self.chat = self.store.create_chat(make_title(text), model=model_name, settings=self.options.to_dict())
-        elif model_name and self.chat.model != model_name:
-            self.store.update_chat(self.chat.id, model=model_name)
+            self.chat = self.store.create_chat(make_title(text), settings=self.options.to_dict())
         record = self.store.add_message(self.chat.id, "user", text, images=images)
         self.messages.append(record)
         return record
 
-    def start_reply(self) -> MessageRecord:
-        """An empty assistant message, stored as "streaming" until `finish_reply`."""
+    def start_reply(self, model_name: str) -> MessageRecord:
+        """An empty assistant message by `model_name`, stored as "streaming" until `finish_reply`; the chat
+        records the model it last used."""
         assert self.chat is not None, "a reply needs a user message first"
-        record = self.store.add_message(self.chat.id, "assistant", status="streaming")
+        if self.chat.model != model_name:
+            self.store.update_chat(self.chat.id, model=model_name)
+            self.chat.model = model_name
+        record = self.store.add_message(self.chat.id, "assistant", status="streaming", model=model_name)
         self.messages.append(record)
         return record
 

@@ -12,7 +12,7 @@ from cmpchat.history.images import ImageStore
 from cmpchat.history.store import HistoryStore
 from cmpchat.tui.app import CmpchatApp
 from cmpchat.tui.gpu_sampler import FakeGpuSampler
-from cmpchat.tui.model_request import ModelRequest
+from cmpchat.tui.model_request import ModelOpener, ModelRequest
 from cmpchat.tui.settings import AppState, Settings
 from tests.tui.fakes import ScriptedModel, scripted_opener
 
@@ -32,10 +32,11 @@ def make_app(tmp_path: Path) -> AppFactory:
         fresh_state: bool = True,
         gpus: int = 2,
         discover=None,
+        opener: ModelOpener | None = None,
     ) -> CmpchatApp:
+        """`opener`, when given, opens the model instead of handing `model` over at once."""
         scripted = model
-        opener = None
-        if scripted is not None:
+        if opener is None and scripted is not None:
             opener = scripted_opener(lambda path: scripted)
         request = ModelRequest(model_path or (scripted.path if scripted else None))
         return CmpchatApp(

@@ -10,6 +10,7 @@ from PIL import Image
 
 from cmpchat.errors import CmpchatError
 from cmpchat.history import ChatRecord, HistoryStore, ImageStore, chat_to_markdown
+from cmpchat.history.store import SCHEMA_VERSION
 from cmpchat.tui.session import ChatSession, make_title
 from cmpchat.tui.settings import ChatOptions
 
@@ -53,6 +54,31 @@ def test_recover_marks_streaming_replies_interrupted(store):
     assert store.messages(chat.id)[0].status == "interrupted"
     assert store.recover_interrupted() == 0
     assert reply.id
+
+
+def test_a_first_schema_database_gains_reply_models_from_its_chats(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript(
+        """
+        CREATE TABLE chats (id INTEGER PRIMARY KEY, title TEXT NOT NULL, created_at REAL NOT NULL,
+            updated_at REAL NOT NULL, model TEXT NOT NULL DEFAULT '', settings TEXT NOT NULL DEFAULT '{}');
+        CREATE TABLE messages (id INTEGER PRIMARY KEY, chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+            role TEXT NOT NULL, content TEXT NOT NULL DEFAULT '', reasoning TEXT NOT NULL DEFAULT '',
+            tool_calls TEXT NOT NULL DEFAULT '[]', images TEXT NOT NULL DEFAULT '[]',
+            status TEXT NOT NULL DEFAULT 'complete', stats TEXT NOT NULL DEFAULT '{}', created_at REAL NOT NULL);
+        INSERT INTO chats VALUES (1, 'old chat', 0, 0, 'Qwen3.5-9B-Q8_0.gguf', '{}');
+        INSERT INTO messages(chat_id, role, content, created_at) VALUES (1, 'user', 'hi', 0), (1, 'assistant', 'hello', 0);
+        PRAGMA user_version=1;
+        """
+    )
+    old.close()
+    store = HistoryStore(path)
+    assert [(m.role, m.model) for m in store.messages(1)] == [("user", ""), ("assistant", "Qwen3.5-9B-Q8_0.gguf")]
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    store.add_message(1, "assistant", "again", model="other.gguf")
+    store.close()
+    assert HistoryStore(path).messages(1)[-1].model == "other.gguf"  # opening it again changes nothing
 
 
 def test_search_matches_titles_message_words_and_prefixes(store):
@@ -121,11 +147,11 @@ def test_export_to_markdown(store, tmp_path):
 def test_session_builds_the_conversation_the_model_reads(store, tmp_path):
     images = ImageStore(tmp_path / "images")
     session = ChatSession(store, images, ChatOptions(system_prompt="sys"))
-    session.add_user_message("first question", [], "m.gguf")
-    reply = session.start_reply()
+    session.add_user_message("first question", [])
+    reply = session.start_reply("m.gguf")
     session.finish_reply(reply, "complete", content="answer", reasoning="r", tool_calls=[], stats=None)
-    session.add_user_message("second", ["ab.png"], "m.gguf")
-    empty = session.start_reply()
+    session.add_user_message("second", ["ab.png"])
+    empty = session.start_reply("other.gguf")
     session.finish_reply(empty, "error", content="", reasoning="", tool_calls=[], stats=None)
     messages = session.conversation(with_images=False)
     assert [(m.role, m.text) for m in messages] == [
@@ -141,6 +167,8 @@ def test_session_builds_the_conversation_the_model_reads(store, tmp_path):
     reopened = ChatSession.open(store, images, ChatOptions(), session.chat.id)
     assert reopened is not None and reopened.options.system_prompt == "sys"
     assert [m.id for m in reopened.messages] == [m.id for m in session.messages]
+    assert [m.model for m in reopened.messages] == ["", "m.gguf", "", "other.gguf"]
+    assert reopened.chat is not None and reopened.chat.model == "other.gguf"  # the model it last used
     removed = session.take_last_user_message()
     assert [m.role for m in removed] == ["user", "assistant"] and len(store.messages(session.chat.id)) == 2
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from textual.widgets import Label
 
 from cmpchat.chat.messages import ImagePart
 from cmpchat.history.store import HistoryStore
@@ -17,8 +18,8 @@ from cmpchat.tui.widgets.chat_list import ChatList, ChatRows
 from cmpchat.tui.widgets.conversation import Conversation
 from cmpchat.tui.widgets.messages import ReplyView, UserMessage
 from cmpchat.tui.widgets.prompt import AttachmentBar, PromptArea
-from tests.tui.fakes import ScriptedModel
-from tests.tui.helpers import current_chat, ready, send, wait_for
+from tests.tui.fakes import ScriptedModel, scripted_opener
+from tests.tui.helpers import chat_screen, current_chat, ready, send, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -104,6 +105,38 @@ async def test_history_survives_a_restart(make_app):
         assert current_chat(screen).title == "remember me"
         rows = screen.query_one(ChatRows)
         assert rows.option_count == 1 and "remember me" in str(rows.get_option_at_index(0).prompt)
+
+
+async def test_replies_keep_the_label_of_the_model_that_wrote_them(make_app):
+    first = ScriptedModel(path=Path("Qwen3.5-9B-Q8_0.gguf"))
+    app = make_app(first, fresh_state=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await send(pilot, "hello")
+    loading = threading.Event()
+    second = ScriptedModel(path=Path("Qwen3.6-27B-Q8_0.gguf"))
+
+    def slow_open(path: Path | None) -> ScriptedModel:
+        loading.wait(10)
+        return second
+
+    again = make_app(second, fresh_state=False, opener=scripted_opener(slow_open))
+    try:
+        async with again.run_test(size=(120, 40)) as pilot:
+            screen = chat_screen(pilot)
+            await wait_for(pilot, lambda: screen.query(ReplyView), what="the stored reply")
+            assert reply_labels(screen) == ["Qwen3.5-9B-Q8_0.gguf"]  # shown before any model has loaded
+            loading.set()
+            await ready(pilot)
+            await send(pilot, "and now?")
+            assert reply_labels(screen) == ["Qwen3.5-9B-Q8_0.gguf", "Qwen3.6-27B-Q8_0.gguf"]
+            assert current_chat(screen).model == "Qwen3.6-27B-Q8_0.gguf"
+    finally:
+        loading.set()
+
+
+def reply_labels(screen) -> list[str]:
+    return [str(view.query_one(".role", Label).render()) for view in screen.query(ReplyView)]
 
 
 async def test_quitting_mid_reply_keeps_the_partial_reply_marked_interrupted(make_app):

@@ -223,7 +223,7 @@ class ChatScreen(Screen[None]):
         self.query_one(PromptArea).clear()
         attachments, self.attachments = self.attachments, []
         self.query_one(AttachmentBar).attachments = ()
-        self.session.add_user_message(text, [a.image.id for a in attachments], self.cmp.model_label)
+        self.session.add_user_message(text, [a.image.id for a in attachments])
         self.cmp.remember_chat(self.session.chat.id if self.session.chat else None)
         await self.query_one(Conversation).add_user(text, [a.image.path for a in attachments])
         self.refresh_chat_lists()
@@ -234,8 +234,8 @@ class ChatScreen(Screen[None]):
         assert model is not None
         messages = self.session.conversation(with_images=model_sees_images(model))
         options = self.session.options.generation_options()
-        record = self.session.start_reply()
-        view = await self.query_one(Conversation).add_reply(self.cmp.model_label)
+        record = self.session.start_reply(self.cmp.model_label)
+        view = await self.query_one(Conversation).add_reply(record.model)
         self.active_reply = ReplyRun(record, view, limit=options.max_tokens or 0)
         self.active_reply.pacer = UpdatePacer(1 / self.cmp.settings.refresh_hz)
         self.generating = True
@@ -460,7 +460,7 @@ class ChatScreen(Screen[None]):
     async def _show_session(self) -> None:
         session = self.session
         self.query_one(TitleBar).chat_title = session.chat.title if session.chat else ""
-        await self.query_one(Conversation).show(session.messages, session.images.path, self.cmp.model_label)
+        await self.query_one(Conversation).show(session.messages, session.images.path)
         self.speed = replace(self.speed, context_used=0, generated=0, first_token_seconds=None)
         self.refresh_chat_lists()
         self._count_context()

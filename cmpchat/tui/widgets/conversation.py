@@ -25,15 +25,15 @@ class Conversation(VerticalScroll):
     def on_mount(self) -> None:
         self.anchor()
 
-    async def show(self, records: Sequence[MessageRecord], image_path: Callable[[str], Path], model_label: str) -> None:
-        """Replace what is shown with the stored turns of a chat."""
+    async def show(self, records: Sequence[MessageRecord], image_path: Callable[[str], Path]) -> None:
+        """Replace what is shown with the stored turns of a chat, each reply labelled with its model."""
         await self.remove_children()
         views: list[Widget] = []
         for record in records:
             if record.role == "user":
                 views.append(UserMessage(record.content, [image_path(i) for i in record.images]))
             elif record.role == "assistant":
-                views.append(ReplyView(model_label, record))
+                views.append(ReplyView(record.model or "assistant", record))
         if not views:
             views.append(Static(_EMPTY_HINT, classes="empty-hint"))
         await self.mount_all(views)
