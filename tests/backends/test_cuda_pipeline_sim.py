@@ -7,10 +7,10 @@ test_pipeline_plan.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
-
-from dataclasses import replace
 
 from cmpchat.backends.base import Chosen, Selector
 from cmpchat.backends.gpu.model import CudaBackend

@@ -1,0 +1,126 @@
+"""The CUDA backend as a pipeline of 2 and 3 stages on one GPU against one stage, on real shapes: the same greedy
+tokens and the same logits bit for bit (hidden states cross stages as fp32 through pinned host memory), through
+a long prompt (long-prompt steps and a tail), 64 decode steps fed the ids the GPU chose, and batched decode.
+
+Several stages on one GPU run the code several GPUs run: their own streams, memory budgets and host bridges;
+only the devices' indices coincide (so the chosen ids reach the first stage on the device, not through the host).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cmpchat.backends.base import Chosen, Selector
+from cmpchat.backends.gpu.model import CudaBackend
+from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS
+from cmpchat.bench.model_files import bench_model_path
+from cmpchat.model.config import ModelConfig
+from cmpchat.model.gguf_file import ModelFile
+from cmpchat.paths import cache_dir
+from cmpchat.sampling import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+ORACLE = Path(__file__).parent.parent / "fixtures" / "oracle" / "real_heads.q8_0.gguf"
+STEPS = 64
+GREEDY = SamplingParams()
+
+
+def model_path(name: str) -> Path:
+    return ORACLE if name == "oracle" else bench_model_path(name, cache_dir() / "bench")
+
+
+def load(path: Path, stages: int, **options) -> CudaBackend:
+    return CudaBackend(ModelFile(path), sequences=4, saved_states=0, context=4096, gpus=[0] * stages, **options)
+
+
+def greedy(rows: int) -> list[Selector]:
+    return [Selector(GREEDY, [], np.random.default_rng(0)) for _ in range(rows)]
+
+
+def prompt_and_decode(backend: CudaBackend, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Every step's logits and the greedy tokens: the prompt, then STEPS decode steps each fed the id the
+    last one chose on the GPU."""
+    sequence = backend.new_sequence()
+    logits = backend.prefill(sequence, prompt)
+    rows, tokens = [backend.to_host(logits)], []
+    for _ in range(STEPS):
+        choice = backend.select(logits, greedy(1))
+        logits = backend.decode([sequence], [Chosen(choice, 0)])
+        tokens += choice.tokens()
+        rows.append(backend.to_host(logits))
+    backend.release(sequence)
+    return np.concatenate(rows), tokens
+
+
+def batched(backend: CudaBackend, prompts: list[list[int]]) -> np.ndarray:
+    """16 batched greedy decode steps of len(prompts) sequences after their prompts: every step's logits."""
+    sequences = [backend.new_sequence() for _ in prompts]
+    for sequence, prompt in zip(sequences, prompts, strict=True):
+        backend.prefill(sequence, prompt)
+    tokens = [prompt[-1] for prompt in prompts]
+    steps = []
+    for _ in range(16):
+        logits = backend.decode(sequences, tokens)
+        steps.append(backend.to_host(logits))
+        tokens = backend.select(logits, greedy(len(prompts))).tokens()
+    for sequence in sequences:
+        backend.release(sequence)
+    return np.stack(steps)
+
+
+def free(backend: CudaBackend) -> None:
+    from numba import cuda
+
+    backend.close()
+    gc.collect()
+    cuda.current_context().deallocations.clear()
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["oracle", "0.8B", pytest.param("9B", marks=pytest.mark.slow)])
+def test_two_and_three_stages_equal_one_stage_bit_for_bit(name: str):
+    path = model_path(name)
+    rng = np.random.default_rng(1)
+    vocab = ModelConfig.from_model_file(ModelFile(path)).vocab_size
+    prompt = rng.integers(0, vocab, 2 * PROMPT_ROWS + 37).tolist()
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 300, 17, 64)]
+    one = load(path, 1)
+    expected_logits, expected_tokens = prompt_and_decode(one, prompt)
+    expected_batch = batched(one, prompts)
+    free(one)
+    for stages in (2, 3):
+        pipeline = load(path, stages)
+        assert len(pipeline.stages) == stages and pipeline.stages[0].prompt is not None
+        logits, tokens = prompt_and_decode(pipeline, prompt)
+        assert tokens == expected_tokens, f"{stages} stages: greedy tokens differ"
+        assert same_bits(logits, expected_logits), f"{stages} stages: logits differ"
+        assert same_bits(batched(pipeline, prompts), expected_batch), f"{stages} stages: batched logits differ"
+        layers = [f"{s.layers.start}-{s.layers.stop - 1}" for s in pipeline.stages]
+        print(f"{name}, {stages} stages (layers {' / '.join(layers)}): {pipeline.bridges[0].handoffs} hand-offs")
+        free(pipeline)
+
+
+@pytest.mark.slow
+def test_three_stages_of_16_gb_hold_27b():
+    """The planner on the 27B benchmark file (29 GB, built on first use) as three 16 GB cards; nothing loads."""
+    from cmpchat.backends.gpu.device import gpu_info
+
+    path = bench_model_path("27B", cache_dir() / "bench")
+    model_file = ModelFile(path)
+    config = ModelConfig.from_model_file(model_file)
+    gpu = gpu_info(0)
+    plans = CudaBackend.memory_plans(
+        model_file, config, gpus=[gpu] * 3, sequences=5, context=262_144, gpu_mem=16 * 2**30
+    )  # fmt: skip
+    assert [p.layers.start for p in plans] == [0, plans[0].layers.stop, plans[1].layers.stop]
+    assert plans[-1].layers.stop == config.num_layers and all(p.total <= 16 * 2**30 for p in plans)
+    assert plans[0].pool_tokens >= 100_000
+    print("27B on 3 x 16 GiB:", [f"{p.layers.start}-{p.layers.stop - 1}" for p in plans], plans[0].pool_tokens)
