@@ -80,7 +80,9 @@ def test_the_memory_plan_is_the_rows(tiny_model_path: Path) -> None:
     backend = load(tiny_model_path, SM_70)
     config, eighty = backend.config, replace(SIMULATED_GPU, multiprocessors=80)
     plans = {
-        row.name: CudaBackend.memory_plans(model_file, config, context=1024, page_tokens=128, gpus=[eighty], tunings=[row])[0]
+        row.name: CudaBackend.memory_plans(
+            model_file, config, context=1024, page_tokens=128, gpus=[eighty], tunings=[row]
+        )[0]
         for row in (SIMULATOR_TUNING, SM_70)
     }
     assert plans["sm_70"].scratch > plans["simulator"].scratch
