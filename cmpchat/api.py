@@ -227,7 +227,9 @@ def open_model(
     cache_states: int = 4,
     context: int | None = None,
     kv_tokens: int | None = None,
-    gpu_mem: int | None = None,
+    gpu_mem: int | Sequence[int | None] | None = None,
+    gpus: Sequence[int] | None = None,
+    split: Sequence[int] | None = None,
     use_graphs: bool = True,
     max_waiting: int = 64,
     prefill_chunk: int = 512,
@@ -241,8 +243,10 @@ def open_model(
     `sequences` replies are decoded together at most; `cache_states` more sequence states are kept for reuse
     (a conversation's next turn resumes from one). `context` caps the tokens of one sequence, `kv_tokens` the
     KV-cache pool that all sequences share (default: what fits; the CPU keeps four contexts' worth). GPU
-    options: `gpu_mem` bytes usable per GPU (to emulate a smaller card), `use_graphs` (False: launch kernels one
-    by one, for debugging). Engine options: `max_waiting` requests queued beyond the running ones,
+    options: `gpus`, the GPU of each pipeline stage (repeats allowed; default, the fewest GPUs that hold the
+    model and `context`), `split`, layers per stage (default: the largest KV pool, then even weights),
+    `gpu_mem`, bytes each stage may use (one value or one per stage; to emulate smaller cards), `use_graphs`
+    (False: launch kernels one by one, for debugging). Engine options: `max_waiting` requests queued beyond the running ones,
     `prefill_chunk` prompt tokens read between decode steps. `kv`: the KV cache's format
     (`cmpchat.kv_formats`: "f16", "q8", "tq3", "q8k-tq3v"; "naive3" and "q4_0" are measurement baselines);
     default the backend's own (the GPU's fp16, the CPU's fp32 or, with `mirror_gpu`, fp16). The compressed
@@ -253,6 +257,10 @@ def open_model(
         raise CmpchatError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
     if sequences < 1 or cache_states < 0:
         raise CmpchatError("sequences must be at least 1 and cache_states at least 0")
+    if backend == "auto":
+        backend = "cuda" if cuda_gpu_present() else "cpu"
+    if backend == "cpu" and (gpus is not None or split is not None):
+        raise CmpchatError("--gpus and --split choose GPU pipeline stages; the cpu backend has none")
     is_demo = path is None
     model_path = ensure_demo_model(progress) if path is None else Path(path)
     kv_format = None if kv is None else kv_format_named(kv)
@@ -260,8 +268,6 @@ def open_model(
     config = ModelConfig.from_model_file(model_file)
     if kv_format is not None:
         kv_format.check(config.head_dim)
-    if backend == "auto":
-        backend = "cuda" if cuda_gpu_present() else "cpu"
     loaded: Backend[Any]
     if backend == "cuda":
         if kv_format is not None and kv_format is not F16:
@@ -279,6 +285,8 @@ def open_model(
             context=context,
             kv_tokens=kv_tokens,
             gpu_mem=gpu_mem,
+            gpus=gpus,
+            split=split,
             use_graphs=use_graphs,
             progress=progress,
         )

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
+from cmpchat.errors import CmpchatError
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
+
+PLANNED_CARD = "CMP 100-210 (planned)"
+"""Where no GPU is usable, `--gpu-mem` plans for cards like the one this is for: sm_70 with 68 SMs."""
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("info", help="describe a model file and the memory it needs", description=__doc__)
     parser.add_argument("model", metavar="MODEL", help="GGUF model file")
+    parser.add_argument("--gpus", metavar="LIST", help="plan a pipeline on these GPUs, e.g. 0,1,2 (repeats allowed)")
+    parser.add_argument("--gpu-mem", metavar="SIZE", help="memory per stage, e.g. 16G (without a GPU: plan for "
+                        "CMP 100-210 cards of this size)")  # fmt: skip
+    parser.add_argument("--split", metavar="LIST", help="layers per stage, e.g. 22,22,20")
+    parser.add_argument("--ctx", type=int, metavar="N", help="most tokens of context per conversation")
+    parser.add_argument("--slots", type=int, default=1, metavar="N", help="replies decoded together (default 1)")
     parser.set_defaults(handler=run)
 
 
@@ -18,7 +29,47 @@ def run(args: argparse.Namespace) -> int:
     model_file = ModelFile(args.model)
     config = ModelConfig.from_model_file(model_file)
     print("\n".join(describe(model_file, config)))
+    print("\n".join(gpu_plan(model_file, config, args)))
     return 0
+
+
+def gpu_plan(model_file: ModelFile, config: ModelConfig, args: argparse.Namespace) -> list[str]:
+    """Each stage's memory plan, as loading would print it: on this machine's GPUs, or, without one, on the
+    cards `--gpu-mem` describes; a line saying why when the model cannot be planned."""
+    from dataclasses import replace
+
+    from cmpchat.backends.gpu.device import SIMULATED_GPU, GpuInfo, cuda_gpu_present, gpu_count, gpu_info
+    from cmpchat.backends.gpu.model import choose_stages
+    from cmpchat.commands.model_args import gpu_memory, int_list
+    from cmpchat.kernels.device_table import SM_70
+
+    gpu_mem, gpus, split = gpu_memory(args.gpu_mem), int_list(args.gpus, "--gpus"), int_list(args.split, "--split")
+    options = {"sequences": args.slots + 4, "context": args.ctx, "kv_tokens": None, "gpu_mem": gpu_mem, "split": split}
+    lookup: Callable[[int], GpuInfo] = gpu_info
+    available: Callable[[], int] = gpu_count
+    tuning = None
+    if not cuda_gpu_present():
+        if gpu_mem is None:
+            return ["gpu plan      no GPU here; give --gpu-mem (and --gpus) to plan for cards of that size"]
+        sizes = gpu_mem if isinstance(gpu_mem, list) else [gpu_mem]
+        largest = max(size or 0 for size in sizes)
+        card = replace(SIMULATED_GPU, name=PLANNED_CARD, free_bytes=largest, total_bytes=largest, multiprocessors=68)
+        count = len(gpus or split or sizes) if (gpus or split or len(sizes) > 1) else 8
+
+        lookup, available, tuning = (lambda index: replace(card, index=index)), (lambda: count), SM_70
+    try:
+        infos, plans = choose_stages(
+            model_file, config, gpus, tuning, args.ctx, options, lookup=lookup, available=available
+        )
+    except CmpchatError as error:
+        return [f"gpu plan      {error}"]
+    lines = [
+        f"gpu plan      {len(plans)} stage(s), {args.slots} reply slot(s) and 4 saved states; as loading plans it:"
+    ]
+    for index, (info, plan) in enumerate(zip(infos, plans, strict=True)):
+        lines.append(f"  GPU {info.index} ({info.name}), stage {index}")
+        lines += [f"    {line}" for line in plan.describe()]
+    return lines
 
 
 def describe(model_file: ModelFile, config: ModelConfig) -> list[str]:

@@ -9,6 +9,7 @@ from cmpchat.api import BACKENDS, Model, open_model
 from cmpchat.backends.gpu.device import parse_size
 from cmpchat.commands.progress import StderrProgress
 from cmpchat.demo import DEMO_NOTICE
+from cmpchat.errors import CmpchatError
 from cmpchat.kv_formats import FORMATS
 from cmpchat.long_lived import freeze_loaded
 
@@ -22,7 +23,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute backend (default: auto = cuda when a GPU is usable)",
     )
     parser.add_argument(
-        "--gpu-mem", metavar="SIZE", help="GPU memory cmpchat may use, e.g. 16G (emulates a smaller card)"
+        "--gpu-mem",
+        metavar="SIZE",
+        help="GPU memory each stage may use, e.g. 16G (emulates a smaller card), or one per stage: 16G,16G,12G",
+    )
+    parser.add_argument(
+        "--gpus",
+        metavar="LIST",
+        help="the GPU of each pipeline stage, e.g. 0,1,2 (repeats allowed: 0,0 is two stages on GPU 0; "
+        "default: the fewest GPUs that hold the model and --ctx)",
+    )
+    parser.add_argument(
+        "--split", metavar="LIST", help="layers per stage, e.g. 22,22,20 (default: the largest KV pool, then even)"
     )
     parser.add_argument("--ctx", type=int, metavar="N", help="most tokens of context per conversation")
     parser.add_argument(
@@ -53,7 +65,9 @@ def open_from_args(
         model = open_model(
             args.model,
             backend=args.backend,
-            gpu_mem=None if args.gpu_mem is None else parse_size(args.gpu_mem),
+            gpu_mem=gpu_memory(args.gpu_mem),
+            gpus=int_list(args.gpus, "--gpus"),
+            split=int_list(args.split, "--split"),
             context=args.ctx,
             kv_tokens=args.kv_tokens,
             kv=args.kv,
@@ -72,3 +86,24 @@ def open_from_args(
     for line in model.backend.describe():
         print(line, file=sys.stderr)
     return model
+
+
+def gpu_memory(text: str | None) -> int | list[int | None] | None:
+    """--gpu-mem: one size for every stage, or a comma-separated size per stage."""
+    if text is None:
+        return None
+    sizes = [parse_size(part) for part in text.split(",")]
+    return sizes[0] if len(sizes) == 1 else list(sizes)
+
+
+def int_list(text: str | None, option: str) -> list[int] | None:
+    """A comma-separated list of non-negative integers (`--gpus 0,1,2`, `--split 22,22,20`)."""
+    if text is None:
+        return None
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise CmpchatError(f"{option} takes numbers separated by commas, e.g. 0,1,2; not '{text}'") from None
+    if any(value < 0 for value in values):
+        raise CmpchatError(f"{option} takes numbers of 0 or more, not '{text}'")
+    return values

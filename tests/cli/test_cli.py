@@ -29,6 +29,17 @@ def test_info_describes_the_model(tiny_model_path, capsys):
     assert "Q8_0" in out and "KV cache" in out
 
 
+def test_info_plans_a_pipeline_on_the_cards_gpu_mem_describes(tiny_model_path, capsys):
+    assert main(["info", str(tiny_model_path)]) == 0
+    assert "no GPU here; give --gpu-mem" in capsys.readouterr().out
+    assert main(["info", str(tiny_model_path), "--gpu-mem", "2G", "--gpus", "0,1", "--split", "3,1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 stage(s)" in out and "GPU 1 (CMP 100-210 (planned)), stage 1" in out
+    assert "layers           0-2" in out and "layers           3-3" in out
+    assert main(["info", str(tiny_model_path), "--gpu-mem", "2G", "--gpus", "0,1", "--split", "3,2"]) == 0
+    assert "gpu plan      --split needs 2 layer counts" in capsys.readouterr().out
+
+
 def test_tokenize_prints_ids(tiny_model_path, capsys):
     assert main(["tokenize", "-m", str(tiny_model_path), "Hello<|im_end|>"]) == 0
     ids = [int(i) for i in capsys.readouterr().out.split()]
@@ -42,6 +53,10 @@ def test_tokenize_prints_ids(tiny_model_path, capsys):
         (["info", "missing.gguf"], "no such file"),
         (["run", "-m", "missing.gguf", "-p", "x"], "no such file"),
         (["tokenize", "-m", "missing.gguf", "x"], "no such file"),
+        (["run", "--backend", "cpu", "--gpus", "0,x", "-p", "x"], "--gpus takes numbers separated by commas"),
+        (["run", "--backend", "cpu", "--split=-1,2", "-p", "x"], "--split takes numbers of 0 or more"),
+        (["run", "--backend", "cpu", "--gpus", "0,0", "-p", "x"], "the cpu backend has none"),
+        (["run", "--backend", "cpu", "--gpu-mem", "16G,lots", "-p", "x"], "cannot read the size 'lots'"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(args, fragment, tmp_path):

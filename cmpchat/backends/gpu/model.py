@@ -108,7 +108,7 @@ class CudaBackend(Backend[CudaSequence]):
             sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem, layout=layout,
             page_tokens=page_tokens, split=split,
         )  # fmt: skip
-        infos, self.plans = _choose_stages(model_file, config, gpus, tuning, context, options)
+        infos, self.plans = choose_stages(model_file, config, gpus, tuning, context, options)
         tunings = [tuning or default_tuning(info) for info in infos]
         self.gpu, self.tuning = infos[0], tunings[0]
         last_index = len(self.plans) - 1
@@ -567,20 +567,24 @@ def _page_tokens(config: ModelConfig, wanted: int, tunings: Sequence[DeviceTunin
     return -(-wanted // tile) * tile
 
 
-def _choose_stages(
+def choose_stages(
     model_file: ModelFile,
     config: ModelConfig,
     gpus: Sequence[int] | None,
     tuning: DeviceTuning | None,
     context: int | None,
     options: dict[str, Any],
+    *,
+    lookup: Callable[[int], GpuInfo] = gpu_info,
+    available: Callable[[], int] = gpu_count,
 ) -> tuple[list[GpuInfo], list[StagePlan]]:
-    """Each stage's GPU and plan: the GPUs `gpus` names; else as many stages as a manual split names; else the
-    fewest GPUs, in index order, that hold the model and (when asked) a `context`-token sequence, or, when no
-    count holds that context, the most that hold the model."""
+    """Each stage's GPU and plan (`options`: `memory_plans`' own): the GPUs `gpus` names; else as many stages as
+    a manual split names; else the fewest GPUs, in index order, that hold the model and (when asked) a
+    `context`-token sequence, or, when no count holds that context, the most that hold the model. `lookup` and
+    `available` describe the GPUs (default: this machine's; `cmpchat info` plans for cards it names)."""
 
     def plans_for(indices: Sequence[int]) -> tuple[list[GpuInfo], list[StagePlan]]:
-        known = {index: gpu_info(index) for index in dict.fromkeys(indices)}
+        known = {index: lookup(index) for index in dict.fromkeys(indices)}
         infos = [known[index] for index in indices]
         tunings = [tuning or default_tuning(info) for info in infos]
         return infos, CudaBackend.memory_plans(model_file, config, gpus=infos, tunings=tunings, **options)
@@ -590,7 +594,7 @@ def _choose_stages(
             raise CmpchatError("--gpus takes GPU indices such as 0,1,2 (one per stage, repeats allowed)")
         return plans_for(list(gpus))
     split = options.get("split")
-    counts = [len(split)] if split is not None else list(range(1, max(gpu_count(), 1) + 1))
+    counts = [len(split)] if split is not None else list(range(1, max(available(), 1) + 1))
     fitting: tuple[list[GpuInfo], list[StagePlan]] | None = None
     refusal: CmpchatError | None = None
     wanted = None if context is None else min(context, config.context_length)

@@ -84,7 +84,7 @@ def split_layers(
             left = room - sum(fixed[i] for i in layers)
             pages = min(pages, left // kv) if kv else pages if left >= 0 else -1
         if pages < least_pages:
-            raise CmpchatError(_refusal(describe(), costs, budgets, ranges, least_tokens, sequences, manual=True))
+            raise CmpchatError(_refusal(describe(), costs, budgets, scratch, ranges, least_tokens, sequences, manual=True))
         return Split(ranges, pages * page_tokens)
 
     def greedy(pages: int, weight_cap: int) -> list[range] | None:
@@ -110,7 +110,7 @@ def split_layers(
     everything = sum(costs.weights) + costs.last_extra
     if greedy(least_pages, everything) is None:
         tried = greedy(0, everything) or _even(costs.layers, stages)
-        raise CmpchatError(_refusal(describe(), costs, budgets, tried, least_tokens, sequences, manual=False))
+        raise CmpchatError(_refusal(describe(), costs, budgets, scratch, tried, least_tokens, sequences, manual=False))
     low, high = least_pages, most_pages  # low fits
     while low < high:
         middle = (low + high + 1) // 2
@@ -144,8 +144,8 @@ def _even(layers: int, stages: int) -> list[range]:
 
 
 def _refusal(
-    name: str, costs: LayerCosts, budgets: Sequence[int], ranges: Sequence[range], least: int, sequences: int,
-    *, manual: bool,
+    name: str, costs: LayerCosts, budgets: Sequence[int], scratch: Sequence[int], ranges: Sequence[range],
+    least: int, sequences: int, *, manual: bool,
 ) -> str:  # fmt: skip
     """One line: what the model needs over the stages, against what they have, and what to do."""
     gib = 2**30
@@ -158,6 +158,7 @@ def _refusal(
     return (
         f"{name} does not fit {len(budgets)} stage(s) with a {least}-token KV pool: it needs "
         f"{(weights + states + kv) / gib:.1f} GiB (weights {weights / gib:.1f}, {sequences} sequence states "
-        f"{states / gib:.1f}, KV {kv / gib:.1f}) plus each stage's scratch, and the stages have {have} GiB "
+        f"{states / gib:.1f}, KV {kv / gib:.1f}) plus {(max(scratch) + RESERVE_BYTES) / gib:.1f} GiB a stage for "
+        f"scratch and reserve, and the stages have {have} GiB "
         f"usable (layers {split}); {advice}"
     )
