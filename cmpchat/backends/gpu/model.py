@@ -1,8 +1,8 @@
 """The CUDA backend: Qwen3.5 on NVIDIA GPUs as a list of stages, decode steps replayed from CUDA graphs.
 
-A stage (`stage.py`) is one GPU running a contiguous range of layers; today the backend holds one stage with
-every layer, on GPU 0. The embedding runs on the first stage, the final norm, LM head and token selection on
-the last; the hand-off of hidden states between stages is explicit (`_hand_off`, nothing to do with one stage).
+A stage (`stage.py`) is one GPU running a contiguous range of layers (`pipeline_plan.py` chooses the ranges); a
+GPU may hold several. The embedding runs on the first stage, the final norm, LM head and token selection on the
+last; hidden states cross from stage to stage through pinned host memory (`bridge.py`, in `_hand_off`).
 
 Sequences draw KV pages from one pool (`kv_pool`, shared by all of them; a fork shares its pages) and each holds
 one recurrent-state slot. A decode step allocates nothing: its inputs (tokens, positions, state slots and page
