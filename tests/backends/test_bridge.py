@@ -49,6 +49,10 @@ def test_a_payload_larger_than_the_bridge_is_refused():
     bridge = HostBridge((here, cuda.stream()), (here, cuda.stream()), 4)
     with pytest.raises(ValueError, match="cannot hand 8 values"):
         bridge.send(cuda.device_array(8, np.float32), cuda.device_array(8, np.float32))
+    with pytest.raises(ValueError, match="cannot hand 4 values to 3"):
+        bridge.send(cuda.device_array(4, np.float32), cuda.device_array(3, np.float32))
+    with pytest.raises(RuntimeError, match="nothing was taken"):
+        bridge.deliver(cuda.device_array(4, np.float32))
 
 
 @pytest.mark.gpu

@@ -67,3 +67,39 @@ def test_a_split_that_does_not_name_every_stage_is_refused(two_layer_model):
         load(two_layer_model, gpus=[0, 0], split=[1, 2])
     with pytest.raises(CmpchatError, match="--gpus takes GPU indices"):
         load(two_layer_model, gpus=[])
+
+
+def test_long_prompts_are_pipelined_stage_k_running_chunk_t_minus_k(tiny_model_path, monkeypatch):
+    """The schedule alone (no kernels run): 4 chunks through 3 stages in 6 ticks; in each tick every stage's
+    chunk is queued and its output taken before any is delivered, so the host never waits for a stage before
+    queuing the others."""
+    from cmpchat.backends.gpu.bridge import HostBridge
+    from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
+    from cmpchat.backends.gpu.stage import Stage
+
+    log: list[tuple[str, int, int]] = []
+    uploaded: dict[int, int] = {}
+    backend = CudaBackend(ModelFile(tiny_model_path), sequences=1, saved_states=0, context=2048, gpus=[0, 0, 0],
+                          split=[2, 1, 1])  # fmt: skip
+    stage_of = {id(stage.prompt): stage.index for stage in backend.stages}
+    bridge_of = {id(bridge): index for index, bridge in enumerate(backend.bridges)}
+
+    def upload(self, tokens, positions, pages, stream):
+        uploaded[stage_of[id(self)]] = int(positions[0, 0]) // PROMPT_ROWS
+
+    monkeypatch.setattr(PromptBuffers, "upload", upload)
+    monkeypatch.setattr(Stage, "run_prompt", lambda self, slot: log.append(("run", self.index, uploaded[self.index])))
+    monkeypatch.setattr(HostBridge, "take", lambda self, source: log.append(("take", bridge_of[id(self)], -1)))
+    monkeypatch.setattr(HostBridge, "deliver", lambda self, target: log.append(("deliver", bridge_of[id(self)], -1)))
+    sequence = backend.new_sequence()
+    backend.prefill(sequence, [i % 200 for i in range(4 * PROMPT_ROWS)])
+    expected = []
+    for tick in range(6):
+        active = [k for k in range(3) if 0 <= tick - k < 4]
+        for k in active:
+            expected.append(("run", k, tick - k))
+            if k < 2:
+                expected.append(("take", k, -1))
+        expected += [("deliver", k, -1) for k in active if k < 2]
+    assert log == expected
+    assert sequence.length == 4 * PROMPT_ROWS and sequence.next_position == 4 * PROMPT_ROWS

@@ -44,6 +44,8 @@ class HostBridge:
             self._read = [ordering_event() for _ in range(2)]
         self._read_pending = [False, False]
         self._turn = 0
+        self._taken: int | None = None
+        """Values taken into the current buffer and not yet delivered."""
         self.handoffs = 0
         self.bytes = 0
         """Hand-offs and bytes sent so far (the benchmark reports bridge bytes per token)."""
@@ -51,8 +53,19 @@ class HostBridge:
     def send(self, source: Any, target: Any) -> None:
         """Queue the copy of `source` (a contiguous fp32 array on the producer's GPU) into `target` (one of the
         same size on the consumer's): returns once the bytes are in host memory and the upload is queued."""
-        if source.size != target.size or source.size > self.host.shape[1]:
-            raise ValueError(f"cannot hand {source.size} values to {target.size} through a {self.host.shape[1]} buffer")
+        if target.size != source.size:
+            raise ValueError(f"cannot hand {source.size} values to {target.size}")
+        self.take(source)
+        self.deliver(target)
+
+    def take(self, source: Any) -> None:
+        """Queue `source`'s copy into the next host buffer behind the producer's work (returns at once, unless
+        the consumer has not yet copied out of that buffer what it held two hand-offs ago). `deliver` sends it
+        on; a pipelined prefill takes every stage's output, then delivers them, so no stage waits for another's."""
+        if source.size > self.host.shape[1]:
+            raise ValueError(f"cannot hand {source.size} values through a {self.host.shape[1]} buffer")
+        if self._taken is not None:
+            raise RuntimeError("a hand-off was taken and not delivered")
         turn = self._turn
         host = self.host[turn, : source.size]
         if self._read_pending[turn]:
@@ -60,14 +73,26 @@ class HostBridge:
         with self._producer_device():
             _device_to_host(source, host, self._producer_stream)
             self._written[turn].record(self._producer_stream)
+        self._taken = source.size
+
+    def deliver(self, target: Any) -> None:
+        """Wait until the taken bytes are in host memory, then queue their copy into `target` (the consumer's,
+        as large as what was taken) behind the consumer's work."""
+        size, turn = self._taken, self._turn
+        if size is None:
+            raise RuntimeError("nothing was taken to deliver")
+        if target.size != size:
+            raise ValueError(f"cannot hand {size} values to {target.size}")
+        host = self.host[turn, :size]
         self._written[turn].synchronize()  # the bytes are in host memory: only now may the consumer copy them
         with self._consumer_device():
             _host_to_device(host, target, self._consumer_stream)
             self._read[turn].record(self._consumer_stream)
         self._read_pending[turn] = True
+        self._taken = None
         self._turn = 1 - turn
         self.handoffs += 1
-        self.bytes += source.nbytes
+        self.bytes += 4 * size
 
 
 def _device_to_host(source: Any, host: np.ndarray, stream: Any) -> None:

@@ -342,8 +342,9 @@ class CudaBackend(Backend[CudaSequence]):
         take: Callable[[CudaLogits], None] | None = None,
     ) -> list[CudaLogits]:
         """Feed `tokens` into `sequence`: long-prompt steps while PROMPT_ROWS remain (unless `every_row` wants
-        every row's logits), then 16-row chunks; the logits of each step (every row, or the last row). Each
-        step's logits lie in a buffer the next step overwrites: `take` gets them before it runs."""
+        every row's logits), then 16-row chunks; the logits of the long steps' last row, then of each chunk
+        (every row, or the last row). A chunk's logits lie in a buffer the next step overwrites: `take` gets
+        them before it runs."""
         _check_live(sequence)
         if len(tokens) == 0:
             raise ValueError("prefill needs at least one token")
@@ -365,12 +366,9 @@ class CudaBackend(Backend[CudaSequence]):
         out: list[CudaLogits] = []
         done = 0
         long_steps = not every_row and all(stage.prompt is not None for stage in self.stages)
-        while long_steps and len(tokens) - done >= PROMPT_ROWS:
-            chunk_positions = None if positions is None else np.asarray(positions[done : done + PROMPT_ROWS])
-            out.append(self._prompt_step(sequence, ids[done : done + PROMPT_ROWS], chunk_positions))
-            if take is not None:
-                take(out[-1])
-            done += PROMPT_ROWS
+        if long_steps and len(tokens) >= PROMPT_ROWS:
+            done = len(tokens) // PROMPT_ROWS * PROMPT_ROWS
+            out.append(self._prompt_steps(sequence, ids[:done], None if positions is None else positions[:done]))
         for start in range(done, len(tokens), MAX_ROWS):
             chunk = [int(t) for t in ids[start : start + MAX_ROWS]]
             row_positions = [None] * len(chunk) if positions is None else list(positions[start : start + len(chunk)])
@@ -500,24 +498,39 @@ class CudaBackend(Backend[CudaSequence]):
         if not tokens_on_device:
             self._fed = None
 
-    def _prompt_step(self, sequence: CudaSequence, ids: np.ndarray, positions: np.ndarray | None) -> CudaLogits:
-        """PROMPT_ROWS tokens of one sequence in one step (room in its context checked by the caller)."""
-        offsets = np.arange(len(ids))
-        rows = np.empty((len(ids), 4), np.int64)
-        rows[:, 0] = sequence.length + offsets
-        rows[:, 1:] = (sequence.next_position + offsets)[:, None] if positions is None else positions
-        self._grow(sequence, len(ids))
-        for stage in self.stages:
-            assert stage.prompt is not None
-            with stage.on_device():
-                stage.prompt.upload(ids, rows, sequence.pages.pages, stage.stream)
-                stage.run_prompt(sequence.slot)
-            if stage.index + 1 < len(self.stages):
-                after = self.stages[stage.index + 1].prompt
-                assert after is not None
-                self._hand_off(stage, stage.prompt.hidden, after.hidden)
-        sequence.next_position = int(rows[-1, 1:].max()) + 1
-        last = self.stages[-1].prompt
+    def _prompt_steps(self, sequence: CudaSequence, ids: np.ndarray, positions: np.ndarray | None) -> CudaLogits:
+        """Long-prompt steps of PROMPT_ROWS tokens each (room in the context checked by the caller), pipelined over
+        the stages: at tick t stage k runs chunk t - k, so with S stages up to S chunks are in flight. Every stage
+        of a tick is queued before any hands its output on (`HostBridge.take`, then `deliver`), so the host's
+        waits for the hand-offs never hold back a stage's next chunk. The logits are the last chunk's last row."""
+        chunks = []
+        offsets = np.arange(PROMPT_ROWS)
+        for start in range(0, len(ids), PROMPT_ROWS):
+            rows = np.empty((PROMPT_ROWS, 4), np.int64)
+            rows[:, 0] = sequence.length + offsets
+            if positions is None:
+                rows[:, 1:] = (sequence.next_position + offsets)[:, None]
+            else:
+                rows[:, 1:] = np.asarray(positions[start : start + PROMPT_ROWS])
+            self._grow(sequence, PROMPT_ROWS)
+            sequence.next_position = int(rows[-1, 1:].max()) + 1
+            chunks.append((ids[start : start + PROMPT_ROWS], rows, list(sequence.pages.pages)))
+        stages = self.stages
+        for tick in range(len(chunks) + len(stages) - 1):
+            active = [stage for stage in stages if 0 <= tick - stage.index < len(chunks)]
+            for stage in active:
+                chunk, rows, pages = chunks[tick - stage.index]
+                assert stage.prompt is not None
+                with stage.on_device():
+                    stage.prompt.upload(chunk, rows, pages, stage.stream)
+                    stage.run_prompt(sequence.slot)
+                if stage.index + 1 < len(stages):
+                    self.bridges[stage.index].take(stage.prompt.hidden)
+            for stage in active:
+                after = stages[stage.index + 1].prompt if stage.index + 1 < len(stages) else None
+                if after is not None:
+                    self.bridges[stage.index].deliver(after.hidden)
+        last = stages[-1].prompt
         assert last is not None
         return CudaLogits(last.logits, 1)
 
