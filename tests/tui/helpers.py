@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from textual import events
+from textual.keys import _character_to_key, key_to_character
 from textual.pilot import Pilot
 
 from cmpchat.history.store import ChatRecord
@@ -51,6 +53,17 @@ async def send(pilot: Pilot, text: str, *, wait: bool = True) -> None:
     if wait:
         await wait_for(pilot, lambda: screen.active_reply is None and not screen.generating, what="the reply")
         await pilot.pause()
+
+
+def read_at_once(pilot: Pilot, *keys: str) -> None:
+    """Deliver `keys` (characters, or key names such as "enter") as the terminal driver does when they
+    arrive in one read: all queued for the app before it handles the first. Pilot's `press` instead waits
+    until each key has been handled, which no fast typist, paste of keys or `tmux send-keys` does."""
+    for key in keys:
+        if len(key) == 1:
+            pilot.app.post_message(events.Key(_character_to_key(key), key))
+        else:
+            pilot.app.post_message(events.Key(key, key_to_character(key)))
 
 
 def plain(widget: object) -> str:

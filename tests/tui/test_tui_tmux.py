@@ -64,8 +64,9 @@ class Tmux:
     def screen(self) -> str:
         return self.tmux("capture-pane", "-p", "-t", "app")
 
-    def keys(self, *keys: str, literal: bool = False) -> None:
-        self.tmux("send-keys", "-t", "app", *(["-l"] if literal else []), *keys)
+    def keys(self, *keys: str) -> None:
+        """tmux key names (Enter, C-q) or text, written to the app's terminal at once."""
+        self.tmux("send-keys", "-t", "app", *keys)
 
     def wait(self, predicate, timeout: float, what: str) -> str:
         deadline = time.monotonic() + timeout
@@ -109,9 +110,7 @@ def test_chat_on_the_demo_model_in_tmux(tmux, tmp_path):
         assert saw_progress, "the first start built the demo model without showing progress"
     screen = tmux.screen()
     assert "random weights" in screen  # the demo banner
-    tmux.keys("Hello there", literal=True)
-    time.sleep(0.3)
-    tmux.keys("Enter")
+    tmux.keys("Hello there", "Enter")  # one write: the app reads the text and the Enter together
     screen = tmux.wait(lambda s: SPEED.search(s), 120, "the reply and its speed line")
     speed = SPEED.search(screen)
     assert speed is not None
@@ -135,9 +134,7 @@ def test_chat_on_the_demo_model_in_tmux(tmux, tmp_path):
 def test_killing_the_app_mid_reply_loses_nothing(tmux, tmp_path):
     tmux.start(max_tokens=4000, pid_file=tmp_path / "pid")
     wait_until_loaded(tmux)
-    tmux.keys("Write a long story", literal=True)
-    time.sleep(0.3)
-    tmux.keys("Enter")
+    tmux.keys("Write a long story", "Enter")
     tmux.wait(lambda s: "generating" in s or "●" in s, 60, "the reply to start")
     time.sleep(2.0)
     os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
@@ -175,9 +172,7 @@ def test_a_lost_terminal_ends_the_app_and_keeps_the_reply(tmux, tmp_path):
     the partial reply is stored, marked interrupted."""
     tmux.start(max_tokens=4000, pid_file=tmp_path / "pid")
     wait_until_loaded(tmux)
-    tmux.keys("Write a long story", literal=True)
-    time.sleep(0.3)
-    tmux.keys("Enter")
+    tmux.keys("Write a long story", "Enter")
     tmux.wait(lambda s: "generating" in s or "●" in s, 60, "the reply to start")
     time.sleep(1.5)
     pid = int((tmp_path / "pid").read_text())

@@ -46,6 +46,8 @@ WIDE = 120
 """Columns from which the chat list and the right panel are shown beside the conversation."""
 SAVE_SECONDS = 0.5
 """Most seconds of a streaming reply that a killed process can lose: it is written to history this often."""
+_WAITING_FOR_MODEL = "waiting for the model to load: the reply starts as soon as it is ready"
+_MODEL_FAILED = "the model did not load: choose one (F4) and the reply starts once it has loaded"
 
 
 class ChatScreen(Screen[None]):
@@ -162,6 +164,9 @@ class ChatScreen(Screen[None]):
     def loading_failed(self) -> None:
         self.query_one(LoadProgress).stop()
         self.speed = replace(self.speed, phase="error", load_stage="")
+        conversation = self.query_one(Conversation)
+        if conversation.waiting_for_model:
+            conversation.update_waiting(_MODEL_FAILED)
 
     def _model_changed(self, model: Model | None) -> None:
         title = self.query_one(TitleBar)
@@ -177,6 +182,7 @@ class ChatScreen(Screen[None]):
         self.query_one(AttachmentBar).model_sees_images = model_sees_images(model)
         self.speed = replace(self.speed, phase="idle", context_max=context_limit(model), load_stage="")
         self._count_context()
+        self.call_later(self._reply_to_waiting_message)
 
     def _gpu_readings_changed(self, readings: tuple) -> None:
         self.query_one(GpuPanel).readings = readings
@@ -189,21 +195,32 @@ class ChatScreen(Screen[None]):
 
     @on(PromptArea.Submitted)
     async def _submitted(self, event: PromptArea.Submitted) -> None:
+        """The prompt has handed over its text (and emptied itself); send it, or give it back."""
         text = event.text.strip()
+        prompt = event.prompt_area
         if not text and not self.attachments:
+            prompt.restore(event.text)
             return
-        model = self.app_model()
         if self.generating:
             self.notify("A reply is being written: Esc stops it.", severity="warning")
+            prompt.restore(event.text)
             return
-        if model is None:
-            self.notify("The model is still loading; your message stays in the box.", severity="warning")
+        if self.query_one(Conversation).waiting_for_model:
+            self.notify("A message is already waiting for the model to load.", severity="warning")
+            prompt.restore(event.text)
             return
-        if self.attachments and not model_sees_images(model):
+        model = self.app_model()
+        if model is None and self.attachments:
+            # Whether the images can be sent depends on the model: ask once it is there.
+            self.notify("The model is still loading: send images once it is ready.", severity="warning")
+            prompt.restore(event.text)
+            return
+        if model is not None and self.attachments and not model_sees_images(model):
             if not text:
                 self.notify(
                     "This model cannot see images (no vision projector). Add some text to send.", severity="warning"
                 )
+                prompt.restore(event.text)
                 return
             message = (
                 f"{self.cmp.model_label} has no vision projector, so it cannot see the attached "
@@ -214,20 +231,34 @@ class ChatScreen(Screen[None]):
             async def confirmed(send: bool | None) -> None:
                 if send:
                     await self._send(text)
+                else:
+                    prompt.restore(event.text)
 
             self.app.push_screen(ConfirmDialog("Images will not be sent", message, yes="Send text only"), confirmed)
             return
         await self._send(text)
 
     async def _send(self, text: str) -> None:
-        self.query_one(PromptArea).clear()
+        """Store and show the message, then reply to it, or, while the model loads, once it has loaded."""
         attachments, self.attachments = self.attachments, []
         self.query_one(AttachmentBar).attachments = ()
         self.session.add_user_message(text, [a.image.id for a in attachments])
         self.cmp.remember_chat(self.session.chat.id if self.session.chat else None)
-        await self.query_one(Conversation).add_user(text, [a.image.path for a in attachments])
+        conversation = self.query_one(Conversation)
+        await conversation.add_user(text, [a.image.path for a in attachments])
         self.refresh_chat_lists()
+        if self.app_model() is None:
+            await conversation.wait_for_model(_WAITING_FOR_MODEL)
+            return
         await self._start_reply()
+
+    async def _reply_to_waiting_message(self) -> None:
+        conversation = self.query_one(Conversation)
+        if not conversation.waiting_for_model or self.app_model() is None or self.generating:
+            return
+        await conversation.stop_waiting()
+        if self.session.messages and self.session.messages[-1].role == "user":
+            await self._start_reply()
 
     async def _start_reply(self) -> None:
         model = self.app_model()
@@ -370,7 +401,9 @@ class ChatScreen(Screen[None]):
         if not removed:
             self.notify("There is no message to edit yet.")
             return
-        await self.query_one(Conversation).remove_last(len(removed))
+        conversation = self.query_one(Conversation)
+        await conversation.stop_waiting()  # a message waiting for the model is taken back with it
+        await conversation.remove_last(len(removed))
         user = removed[0]
         prompt = self.query_one(PromptArea)
         prompt.text = user.content

@@ -58,6 +58,23 @@ class Conversation(VerticalScroll):
         for view in turns[len(turns) - count :] if count else []:
             await view.remove()
 
+    @property
+    def waiting_for_model(self) -> bool:
+        """Whether the last message waits for a model to reply to it (sent while none was loaded)."""
+        return bool(self.query_children("#waiting-for-model"))
+
+    async def wait_for_model(self, note: str) -> None:
+        """Say under the last message that its reply waits for the model."""
+        await self.mount(Static(note, id="waiting-for-model", markup=False))
+        self.anchor()
+
+    def update_waiting(self, note: str) -> None:
+        self.query_one("#waiting-for-model", Static).update(note)
+
+    async def stop_waiting(self) -> None:
+        for note in self.query_children("#waiting-for-model"):
+            await note.remove()
+
     def last_reply(self) -> ReplyView | None:
         replies = list(self.query_children(ReplyView))
         return replies[-1] if replies else None

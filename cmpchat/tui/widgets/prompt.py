@@ -35,7 +35,8 @@ def _without_keys(bindings: list[BindingType], taken: set[str]) -> list[BindingT
 
 
 class PromptArea(TextArea, inherit_bindings=False):
-    """Where the person writes. Posts `Submitted` on Enter with the text, leaving clearing to the screen.
+    """Where the person writes. On Enter it empties itself and posts `Submitted` with the text; what is not
+    sent is given back with `restore`.
 
     TextArea's own Ctrl+E (line end; End still works) and Ctrl+X (cut; Super+X still works) are given up
     to the chat screen's "edit last" and "export", so those keys work while typing.
@@ -80,7 +81,19 @@ class PromptArea(TextArea, inherit_bindings=False):
         return super().render_line(y)
 
     def action_submit(self) -> None:
-        self.post_message(self.Submitted(self, self.text))
+        # Enter is a priority binding: the app runs it the moment it reads the key, while keys read just
+        # before it (typed ahead, or in the same read) may still wait in this widget's queue. Submitting
+        # from that queue takes the text once they are in, and empties the box before any key read after.
+        self.call_later(self._submit)
+
+    def _submit(self) -> None:
+        text = self.text
+        self.clear()
+        self.post_message(self.Submitted(self, text))
+
+    def restore(self, text: str) -> None:
+        """Put back a message that was not sent, before whatever was typed since."""
+        self.insert(text, (0, 0))
 
     def action_newline(self) -> None:
         self.insert("\n")
