@@ -1,0 +1,74 @@
+"""How long a pipeline of stages on separate cards would take, from each stage's time measured alone: a
+discrete-event replay of the order the CUDA backend issues work in, with each hop's copies over the cards' links.
+
+On one GPU the stages of a pipeline contend for the same SMs and memory, so their sum, not their overlap, is
+what a benchmark sees. What several cards would do is projected instead: each stage's step is timed alone (and
+scaled to the CMP 100-210 as the single-card projections are), then replayed here on one timeline per card.
+
+The order replayed is the backend's (`CudaBackend._prompt_steps`, `HostBridge`): prompt chunks in ticks, stage k
+running chunk t - k at tick t; each stage's stream runs its step, then the copy of its output to host memory
+(device -> host over its own link); once every stage of the tick is queued, the host waits for each output to be
+in host memory and queues its copy to the next card (host -> device over that card's link), behind whatever that
+card's stream holds. Decode is sequential: a token goes through every stage in turn, and between cards the
+chosen id comes back through the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+CMP_LINK_BYTES_PER_SECOND = 250e6
+"""PCIe Gen1 x1, each way (docs/hardware.md)."""
+COPY_LATENCY_SECONDS = 20e-6
+"""A copy's fixed cost: the driver call and the DMA's start (an assumption, of the order a small pinned copy
+takes on any PCIe link; at 20 KB a hop it is a fifth of the transfer)."""
+
+
+@dataclass(frozen=True)
+class HostLink:
+    """A card's PCIe link as one copy sees it."""
+
+    bytes_per_second: float = CMP_LINK_BYTES_PER_SECOND
+    latency: float = COPY_LATENCY_SECONDS
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bytes_per_second
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    seconds: float
+    busy: list[float]
+    """Each stage's compute seconds over the run, as a share of it (its busy share)."""
+
+
+def prefill_seconds(stage_seconds: Sequence[float], chunks: int, hop_bytes: int, link: HostLink) -> PipelineTime:
+    """`chunks` prompt chunks through stages that take `stage_seconds` each per chunk, `hop_bytes` crossing each
+    hop per chunk, replayed in the backend's order (module docstring)."""
+    stages = len(stage_seconds)
+    if stages < 1 or chunks < 0:
+        raise ValueError("one time per stage, and a count of chunks")
+    free = [0.0] * stages  # when each card's stream has run everything queued on it
+    host = 0.0
+    hop = link.seconds(hop_bytes)
+    for tick in range(chunks + stages - 1):
+        active = [k for k in range(stages) if 0 <= tick - k < chunks]
+        for k in active:
+            free[k] = max(free[k], host) + stage_seconds[k] + (hop if k + 1 < stages else 0.0)
+        for k in active:
+            if k + 1 < stages:
+                host = max(host, free[k])  # the output is in host memory
+                free[k + 1] = max(free[k + 1], host) + hop
+    total = max(free) if chunks else 0.0
+    busy = [chunks * s / total if total else 0.0 for s in stage_seconds]
+    return PipelineTime(total, busy)
+
+
+def decode_seconds(stage_seconds: Sequence[float], hop_bytes: int, link: HostLink, *, ids_bytes: int = 8) -> float:
+    """One token through every stage in turn: each step, each hop's copies down and up, and, between cards, the
+    chosen id down from the last card and up to the first."""
+    stages = len(stage_seconds)
+    hops = (stages - 1) * 2 * link.seconds(hop_bytes)
+    ids = 2 * link.seconds(ids_bytes) if stages > 1 else 0.0
+    return sum(stage_seconds) + hops + ids

@@ -1,0 +1,53 @@
+"""The discrete-event replay of a pipeline's order, against schedules worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cmpchat.bench.pipeline_schedule import HostLink, decode_seconds, prefill_seconds
+
+FREE = HostLink(bytes_per_second=math.inf, latency=0.0)
+
+
+def test_one_stage_runs_its_chunks_back_to_back():
+    timed = prefill_seconds([0.5], 6, 10**6, HostLink())
+    assert timed.seconds == pytest.approx(3.0) and timed.busy == [pytest.approx(1.0)]
+
+
+def test_equal_stages_with_free_links_fill_then_stream_one_chunk_a_stage_time():
+    timed = prefill_seconds([1.0, 1.0, 1.0], 10, 5_000_000, FREE)
+    assert timed.seconds == pytest.approx(12.0)  # 10 chunks + 2 ticks to fill the pipeline
+    assert timed.busy == [pytest.approx(10 / 12)] * 3
+
+
+def test_each_hop_costs_the_copy_out_and_the_copy_in_on_the_streams_that_run_them():
+    # Two stages of t, a hop of h each way (worked by hand in the order the backend issues them):
+    # tick 0: s0 runs c0 and copies out (t + h); the host waits, s1 copies in (t + 2h);
+    # tick 1: s0 runs c1 and copies out (2t + 2h); s1 runs c0 (2t + 2h); s1 copies c1 in (2t + 3h);
+    # tick 2: s1 runs c1 (3t + 3h).
+    t, link = 1.0, HostLink(bytes_per_second=1e6, latency=0.0)
+    h = link.seconds(100_000)
+    assert prefill_seconds([t, t], 2, 100_000, link).seconds == pytest.approx(3 * t + 3 * h)
+
+
+def test_the_slowest_stage_sets_the_pace():
+    timed = prefill_seconds([1.0, 3.0], 20, 0, FREE)
+    assert timed.seconds == pytest.approx(1.0 + 20 * 3.0)
+    assert timed.busy[1] > 0.98 and timed.busy[0] < 0.34
+
+
+def test_27b_like_stages_on_cmp_links_gain_about_what_the_stages_allow():
+    # Three stages of 0.3 s per 256-token chunk, 5.2 MB hidden states a hop at 250 MB/s: one card would take
+    # 0.9 s a chunk; 18 chunks (4620 tokens) through three cards fill, then pace at one stage plus its copies.
+    one_card = 18 * 0.9
+    three = prefill_seconds([0.3, 0.3, 0.3], 18, 256 * 5120 * 4, HostLink()).seconds
+    assert 2.3 < one_card / three < 3.0
+
+
+def test_decode_goes_through_every_stage_and_back():
+    link = HostLink(bytes_per_second=1e6, latency=1e-5)
+    assert decode_seconds([0.01], 20_480, link) == pytest.approx(0.01)
+    expected = 0.03 + 2 * 2 * link.seconds(20_480) + 2 * link.seconds(8)
+    assert decode_seconds([0.01, 0.01, 0.01], 20_480, link) == pytest.approx(expected)
