@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS
+from cmpchat.backends.gpu.step import MAX_ROWS
 from cmpchat.bench.kernel_families import FamilyTime, family_times
 from cmpchat.bench.limits import CMP_READ_BANDWIDTH
+from cmpchat.bench.pipeline_schedule import HostLink, prefill_seconds
 
 if TYPE_CHECKING:
     from cmpchat.backends.gpu.model import CudaBackend
@@ -41,8 +43,8 @@ before timing."""
 CMP_DP4A_PER_SECOND = 4.3e12
 """dp4a instructions/s of a CMP 100-210 (its measured 17.2 TOPS read as 4 multiply-adds per dp4a)."""
 
-ProfileStep = Callable[[Any], tuple[Sequence[str], Sequence[float]]]
-"""(kernel names, seconds) of one replay of a sequence's long-prompt step."""
+ProfileStep = Callable[[Any], list[tuple[Sequence[str], Sequence[float]]]]
+"""(kernel names, seconds) of one replay of a sequence's long-prompt step, one pair per pipeline stage."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,12 @@ class PrefillRun:
     seconds: float
     families: list[FamilyTime] = field(default_factory=list)
     """One long-prompt step of PROMPT_ROWS tokens at this prompt's last, by kernel family (empty when the
-    prompt is shorter or nothing was profiled)."""
+    prompt is shorter or nothing was profiled), over every stage."""
     gemm_ops: int = 0
     """Ops (2 per multiply-add) of that step's GEMMs."""
+    stage_families: list[list[FamilyTime]] = field(default_factory=list)
+    """The same step stage by stage, each timed alone (one entry per stage of a pipeline)."""
+    hidden_size: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -84,10 +89,47 @@ class PrefillRun:
         measured = sum(f.seconds for f in self.families)
         if measured <= 0:
             return None
-        gemm_factor = rates.dp4a_per_second / CMP_DP4A_PER_SECOND
-        read_factor = rates.read_bandwidth / CMP_READ_BANDWIDTH
-        projected = sum(f.seconds * (gemm_factor if f.family == "GEMM" else read_factor) for f in self.families)
-        return self.tokens_per_second * measured / projected
+        return self.tokens_per_second * measured / _cmp_seconds(self.families, rates)
+
+    def pipeline_projection(self, rates: PrefillRates, link: HostLink | None = None) -> PipelineProjection | None:
+        """Projected prompt tok/s on one CMP card per stage, against one card running the same code: the
+        one-card projection with its long-prompt steps replaced by their pipelined schedule
+        (`pipeline_schedule`), each stage's step projected from its own profile; the tail's steps stay
+        sequential (MAX_ROWS tokens a step), with their hops. None for one stage or without a profile."""
+        one_card = self.cmp_projection(rates)
+        if len(self.stage_families) < 2 or one_card is None:
+            return None
+        link = link or HostLink()
+        stages = [_cmp_seconds(families, rates) for families in self.stage_families]
+        chunks, tail = divmod(self.tokens, PROMPT_ROWS)
+        timed = prefill_seconds(stages, chunks, PROMPT_ROWS * self.hidden_size * 4, link)
+        hops = 2 * (len(stages) - 1)
+        tail_hops = sum(
+            hops * link.seconds(min(MAX_ROWS, tail - start) * self.hidden_size * 4)
+            for start in range(0, tail, MAX_ROWS)
+        )
+        seconds = self.tokens / one_card - chunks * sum(stages) + timed.seconds + tail_hops
+        return PipelineProjection(len(stages), self.tokens / seconds, one_card, timed.busy)
+
+
+@dataclass(frozen=True)
+class PipelineProjection:
+    cards: int
+    tokens_per_second: float
+    one_card_tokens_per_second: float
+    busy: list[float]
+    """Each card's share of the long-prompt steps' span that it computes."""
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_second / self.one_card_tokens_per_second
+
+
+def _cmp_seconds(families: Sequence[FamilyTime], rates: PrefillRates) -> float:
+    """A step's time on a CMP 100-210: its GEMMs at the CMP's dp4a rate, the rest at its read bandwidth."""
+    gemm_factor = rates.dp4a_per_second / CMP_DP4A_PER_SECOND
+    read_factor = rates.read_bandwidth / CMP_READ_BANDWIDTH
+    return sum(f.seconds * (gemm_factor if f.family == "GEMM" else read_factor) for f in families)
 
 
 def run_prefill(
@@ -110,17 +152,22 @@ def run_prefill(
         say(f"  prompt of {size} tokens")
         tokens = rng.integers(0, vocab, size).tolist()
         sequence = backend.new_sequence()
-        backend.stream.synchronize()
+        backend.synchronize()
         started = time.perf_counter()
         for begin in range(0, size, call_tokens):
             backend.prefill(sequence, tokens[begin : begin + call_tokens])
-        backend.stream.synchronize()
+        backend.synchronize()
         seconds = time.perf_counter() - started
         families: list[FamilyTime] = []
+        stage_families: list[list[FamilyTime]] = []
         if profile_step is not None and size >= PROMPT_ROWS:
-            names, times = profile_step(sequence)
-            families = family_times(names, times, {})
-        runs.append(PrefillRun(size, seconds, families, gemm_ops_per_step(backend)))
+            profiles = profile_step(sequence)
+            stage_families = [family_times(names, times, {}) for names, times in profiles]
+            families = family_times(
+                [n for names, _ in profiles for n in names], [t for _, ts in profiles for t in ts], {}
+            )
+        runs.append(PrefillRun(size, seconds, families, gemm_ops_per_step(backend), stage_families,
+                               backend.config.hidden_size))  # fmt: skip
         backend.release(sequence)
     return runs
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from cmpchat.bench.decode import DecodeRun
 from cmpchat.bench.limits import CMP_READ_BANDWIDTH, PUBLISHED_CMP_9B_DECODE
 from cmpchat.bench.llama_cpp import LlamaResult
+from cmpchat.bench.pipeline_schedule import CMP_LINK_BYTES_PER_SECOND, COPY_LATENCY_SECONDS
 from cmpchat.bench.prefill import PUBLISHED_CMP_9B_PREFILL, PrefillRates, PrefillRun
 
 
@@ -160,6 +161,22 @@ def format_prefill(
             listed = ", ".join(f"{n}: {value}" for n, value in figures.items())
             lines.append(f"published 9B Q8_0 prompt tok/s on one CMP 100-210, {name}: {listed}")
     for run in runs:
+        pipeline = run.pipeline_projection(rates)
+        if pipeline is not None:
+            steps = " / ".join(f"{sum(f.seconds for f in families) * 1e3:.2f}" for families in run.stage_families)
+            busy = " / ".join(f"{b:.0%}" for b in pipeline.busy)
+            lines.append(
+                f"{run.tokens} tokens, {pipeline.cards} stages (each step timed alone: {steps} ms): projected to "
+                f"{pipeline.cards} CMP cards {pipeline.tokens_per_second:.1f} tok/s, {pipeline.speedup:.2f}x one card "
+                f"of the same code ({pipeline.one_card_tokens_per_second:.1f}); cards busy {busy}"
+            )
+    if any(len(run.stage_families) > 1 for run in runs):
+        lines.append(
+            "Pipeline projection: each stage's step projected as above, replayed in the backend's order with "
+            f"{CMP_LINK_BYTES_PER_SECOND / 1e6:.0f} MB/s links and {COPY_LATENCY_SECONDS * 1e6:.0f} µs a copy "
+            "(cmpchat/bench/pipeline_schedule.py): a projection, not a measurement."
+        )
+    for run in runs:
         if run.families:
             total = sum(f.seconds for f in run.families)
             lines.append(f"last 256-token step of the {run.tokens}-token prompt: {total * 1e3:.2f} ms")
@@ -177,6 +194,7 @@ def prefill_json(
         other = _llama_prompt(llama, run.tokens)
         share = run.gemm_share_of_peak(rates)
         projection = run.cmp_projection(rates)
+        pipeline = run.pipeline_projection(rates)
         return {
             "tokens": run.tokens,
             "seconds": round(run.seconds, 4),
@@ -187,6 +205,16 @@ def prefill_json(
             "families": [
                 {"family": f.family, "launches": f.launches, "us": round(f.seconds * 1e6, 1)} for f in run.families
             ],
+            "stage_step_us": [round(sum(f.seconds for f in families) * 1e6, 1) for families in run.stage_families],
+            "pipeline_projection": None
+            if pipeline is None
+            else {
+                "cards": pipeline.cards,
+                "tok_s": round(pipeline.tokens_per_second, 1),
+                "one_card_tok_s": round(pipeline.one_card_tokens_per_second, 1),
+                "speedup": round(pipeline.speedup, 3),
+                "busy": [round(b, 3) for b in pipeline.busy],
+            },
         }
 
     return {

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cmpchat.bench.model_files import BENCH_SHAPES, bench_model_path
+from cmpchat.commands.model_args import gpu_memory, int_list
 from cmpchat.commands.progress import StderrProgress
 from cmpchat.errors import CmpchatError
 from cmpchat.paths import cache_dir
@@ -49,6 +51,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prefill.add_argument("--folder", type=Path, help="where benchmark files are built (default: the cache folder)")
     prefill.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench, to compare")
     prefill.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
+    prefill.add_argument("--gpus", metavar="LIST", help="pipeline stages' GPUs, e.g. 0,0,0 (three stages on GPU 0): "
+                         "adds each stage's time and a projection to one CMP card per stage")  # fmt: skip
+    prefill.add_argument("--gpu-mem", metavar="SIZE", help="memory per stage, e.g. 16G (emulates smaller cards)")
     prefill.set_defaults(handler=run_prefill_bench)
 
 
@@ -84,15 +89,20 @@ def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
         path = bench_model_path(name, folder, progress)
         _say(f"{path.name}: measuring streaming-read bandwidth and the dp4a rate")
         rates = PrefillRates(streaming_read_bandwidth(), compute_rate(DP4A_PROBE) / OPS_PER_DP4A)
-        backend = CudaBackend(ModelFile(path), context=max(args.tokens) + 64, progress=progress)
+        backend = CudaBackend(ModelFile(path), context=max(args.tokens) + 64, progress=progress,
+                              gpus=int_list(args.gpus, "--gpus"), gpu_mem=gpu_memory(args.gpu_mem))  # fmt: skip
     finally:
         progress.close()
 
-    def profile_step(sequence: CudaSequence) -> tuple[tuple[str, ...], tuple[float, ...]]:
-        timings = profile_launches(
-            backend.prompt_step_launches(sequence), backend.stream, early_launch=backend.early_launch
-        )
-        return timings.names, timings.attributed()
+    def profile_step(sequence: CudaSequence) -> list[tuple[Sequence[str], Sequence[float]]]:
+        """Each stage's long-prompt step, timed alone (stages on one GPU would contend if run at once)."""
+        profiles: list[tuple[Sequence[str], Sequence[float]]] = []
+        for index, stage in enumerate(backend.stages):
+            with stage.on_device():
+                launches = backend.prompt_step_launches(sequence, index)
+                timings = profile_launches(launches, stage.stream, early_launch=stage.early_launch)
+            profiles.append((timings.names, timings.attributed()))
+        return profiles
 
     _say(f"{path.name}: prompts of {args.tokens} tokens")
     runs = run_prefill(backend, args.tokens, say=_say, profile_step=profile_step)

@@ -20,9 +20,8 @@ class RecordingBackend:
     """Records prefill calls; sequences are plain counters; no weights."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(vocab_size=100)
+        self.config = SimpleNamespace(vocab_size=100, hidden_size=64)
         self.stages = [SimpleNamespace(weights=SimpleNamespace(layers={}))]
-        self.stream = SimpleNamespace(synchronize=lambda: None)
         self.calls: list[tuple[int, int]] = []
         self.released: list[int] = []
         self._next = 0
@@ -38,14 +37,17 @@ class RecordingBackend:
     def release(self, sequence: int) -> None:
         self.released.append(sequence)
 
+    def synchronize(self) -> None:
+        pass
+
 
 def test_every_step_is_warmed_up_then_each_prompt_is_fed_in_calls_and_profiled() -> None:
     backend = RecordingBackend()
     profiled: list[int] = []
 
-    def profile_step(sequence: int) -> tuple[list[str], list[float]]:
+    def profile_step(sequence: int) -> list[tuple[list[str], list[float]]]:
         profiled.append(sequence)
-        return ["gemm_q8_64_64k2p", "gdn_prefill_sequential", "gemm_q8_64_64k2p"], [3e-3, 1e-3, 2e-3]
+        return [(["gemm_q8_64_64k2p", "gdn_prefill_sequential"], [3e-3, 1e-3]), (["gemm_q8_64_64k2p"], [2e-3])]
 
     runs = run_prefill(backend, [1000, 30], call_tokens=512, say=lambda _: None, profile_step=profile_step)  # type: ignore[arg-type]
     warmup = len(WARMUP_PROMPTS)
@@ -57,8 +59,31 @@ def test_every_step_is_warmed_up_then_each_prompt_is_fed_in_calls_and_profiled()
     assert profiled == [timed[0][0]]  # the 30-token prompt has no long-prompt step to profile
     assert len(backend.released) == warmup + 2
     assert [run.tokens for run in runs] == [1000, 30] and all(run.seconds > 0 for run in runs)
-    assert [(f.family, f.launches) for f in runs[0].families] == [("GEMM", 2), ("GDN", 1)]
-    assert runs[1].families == []
+    assert [(f.family, f.launches) for f in runs[0].families] == [("GEMM", 2), ("GDN", 1)]  # over both stages
+    assert [[(f.family, f.launches) for f in stage] for stage in runs[0].stage_families] == [
+        [("GEMM", 1), ("GDN", 1)],
+        [("GEMM", 1)],
+    ]
+    assert runs[1].families == [] and runs[1].stage_families == []
+
+
+def test_the_pipeline_projection_replaces_the_long_steps_by_their_schedule() -> None:
+    from cmpchat.bench.pipeline_schedule import HostLink, prefill_seconds
+
+    stage = [FamilyTime("GEMM", 10, 0.03, 0)]
+    run = PrefillRun(tokens=4 * PROMPT_ROWS, seconds=0.4, families=stage * 2, stage_families=[stage, stage],
+                     hidden_size=64)  # fmt: skip
+    one_card = run.cmp_projection(RATES)
+    assert one_card is not None
+    free = HostLink(bytes_per_second=float("inf"), latency=0.0)
+    projected = run.pipeline_projection(RATES, free)
+    assert projected is not None and projected.one_card_tokens_per_second == one_card
+    per_stage = 0.03 * 16e12 / CMP_DP4A_PER_SECOND
+    long_steps = prefill_seconds([per_stage] * 2, 4, 0, free).seconds  # 5 ticks of one stage's step
+    assert long_steps == pytest.approx(5 * per_stage)
+    expected = run.tokens / (run.tokens / one_card - 4 * 2 * per_stage + long_steps)
+    assert projected.tokens_per_second == pytest.approx(expected) and projected.speedup > 1
+    assert PrefillRun(1024, 0.4, stage, stage_families=[stage]).pipeline_projection(RATES) is None
 
 
 def test_gemm_share_and_cmp_projection_follow_the_issue_formula() -> None:

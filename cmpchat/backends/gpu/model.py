@@ -545,9 +545,15 @@ class CudaBackend(Backend[CudaSequence]):
         """The launches of a decode step of `rows` sequences on the only stage, as last run."""
         return self.stages[0].decode_steps[token_bucket(rows), False].launches
 
-    def prompt_step_launches(self, sequence: CudaSequence) -> list[Any]:
-        """The launches of `sequence`'s long-prompt step on the only stage, as last run."""
-        return self.stages[0].prompt_steps[sequence.slot].launches
+    def prompt_step_launches(self, sequence: CudaSequence, stage: int = 0) -> list[Any]:
+        """The launches of `sequence`'s long-prompt step on stage `stage`, as last run."""
+        return self.stages[stage].prompt_steps[sequence.slot].launches
+
+    def synchronize(self) -> None:
+        """Wait until every stage's GPU has run everything queued on it."""
+        for stage in self.stages:
+            with stage.on_device():
+                stage.stream.synchronize()
 
     @property
     def stream(self) -> Any:
