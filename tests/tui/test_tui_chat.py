@@ -15,7 +15,7 @@ from cmpchat.tui.widgets.prompt import PromptArea
 from cmpchat.tui.widgets.speed_panel import SpeedPanel
 from cmpchat.tui.widgets.title_bar import TitleBar
 from tests.tui.fakes import ANSWER, REASONING, ScriptedModel
-from tests.tui.helpers import current_chat, ready, send, wait_for
+from tests.tui.helpers import current_chat, plain, ready, send, wait_for
 
 pytestmark = pytest.mark.asyncio
 
@@ -218,3 +218,22 @@ async def test_keys_respond_while_a_reply_streams(make_app):
         assert screen.thinking is True
         gate.set()
         await wait_for(pilot, lambda: not screen.generating)
+
+
+async def test_html_and_xml_in_a_reply_are_shown_as_written(make_app):
+    answer = (
+        'Line one<br>line two, in a <div class="x">box</div>.\n\n<div class="note">\nA block\n</div>\n\n'
+        "The tag <think> is literal here."
+    )
+    reasoning = "Should I use <br> or a blank line?"
+    app = make_app(ScriptedModel(answer=answer, reasoning=reasoning))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await send(pilot, "how do I break a line in HTML?")
+        reply = screen.query_one(ReplyView)
+        shown = "\n".join(plain(block) for block in reply.markdown.query("MarkdownParagraph"))
+        assert 'Line one<br>line two, in a <div class="x">box</div>.' in shown
+        assert '<div class="note"> A block </div>' in shown  # its lines joined, as any paragraph's
+        assert "The tag <think> is literal here." in shown
+        thought = reply.query_one(ReasoningBlock).query("MarkdownParagraph")
+        assert "\n".join(plain(block) for block in thought) == reasoning

@@ -26,8 +26,11 @@ _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})", re.MULTILINE)
 def shared_parser() -> MarkdownIt:
     """The one Markdown parser every message widget uses (pass as `parser_factory`). By default Textual
     builds a parser for each parse, and building one (its linkify rules compile large regular expressions)
-    cost more than the parse itself: most of the app's time per streamed update on the H200."""
-    return MarkdownIt("gfm-like")
+    cost more than the parse itself: most of the app's time per streamed update on the H200.
+
+    HTML is not recognised: Textual's Markdown draws no HTML and drops its tokens, so `<br>`, `<div>` or a
+    literal `<think>` in a reply vanished. Without it such text stays text and is shown as written."""
+    return MarkdownIt("gfm-like", {"html": False})
 
 
 class StreamedMarkdown:
