@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cmpchat.bench.kernel_families import FamilyTime, family_times, kernel_family
-from cmpchat.bench.limits import StepBytes, cmp_projection, limit_tokens_per_second, step_bytes
+from cmpchat.bench.limits import CMP_READ_BANDWIDTH, StepBytes, cmp_projection, limit_tokens_per_second, step_bytes
+from cmpchat.bench.pipeline_schedule import HostLink, decode_seconds
 from cmpchat.engine.engine import Engine
 from cmpchat.engine.events import DecodeProgress, Finished
 from cmpchat.engine.reply import GenerationOptions
@@ -48,6 +49,9 @@ class DecodeRun:
     families: list[FamilyTime] = field(default_factory=list)
     kernels: dict[str, tuple[int, float]] = field(default_factory=dict)
     """Per kernel name: launches and total seconds in one step (profiled runs only)."""
+    stage_replays: list[float] = field(default_factory=list)
+    """GPU time of each pipeline stage's step replayed alone (profiled runs only)."""
+    hidden_size: int = 0
 
     @property
     def ratio(self) -> float:
@@ -56,6 +60,18 @@ class DecodeRun:
     @property
     def cmp_projection(self) -> float:
         return cmp_projection(self.ratio, self.bytes.total, self.batch)
+
+    def pipeline_projection(self, read_bandwidth: float, link: HostLink | None = None) -> float | None:
+        """Projected tok/s on one CMP card per stage (batch 1): each stage's replay scaled by the read
+        bandwidths (as `cmp_projection` scales the whole step), run in turn with each hop's copies and the
+        chosen id's way back (`pipeline_schedule.decode_seconds`), plus what the step costs outside its graphs
+        here (selection, the host). None for one stage or an unprofiled run."""
+        if len(self.stage_replays) < 2 or self.batch != 1:
+            return None
+        scale = read_bandwidth / CMP_READ_BANDWIDTH
+        outside = max(self.step_seconds - sum(self.stage_replays), 0.0)
+        stages = [replay * scale for replay in self.stage_replays]
+        return 1 / (decode_seconds(stages, 4 * self.hidden_size, link or HostLink()) + outside)
 
 
 def run_decode(
@@ -77,9 +93,20 @@ def run_decode(
     for context in contexts:
         say(f"  decoding {tokens} tokens at context {context}")
         seconds = _time_replies(engine, backend, 1, context, tokens)
-        launches = backend.step_launches(1)
-        profile = profile_launches(launches, backend.stream, early_launch=backend.early_launch)
-        in_replay = cost_in_replay(launches, backend.stream, kernel_family, early_launch=backend.early_launch)
+        names: list[str] = []
+        attributed: list[float] = []
+        in_replay: dict[str, float] = {}
+        stage_replays = []
+        for index, stage in enumerate(backend.stages):  # each stage alone: stages on one GPU would contend
+            with stage.on_device():
+                launches = backend.step_launches(1, index)
+                profile = profile_launches(launches, stage.stream, early_launch=stage.early_launch)
+                added = cost_in_replay(launches, stage.stream, kernel_family, early_launch=stage.early_launch)
+            names += profile.names
+            attributed += profile.attributed()
+            stage_replays.append(profile.replay)
+            for family, seconds_added in added.items():
+                in_replay[family] = in_replay.get(family, 0.0) + seconds_added
         bytes_ = step_bytes(weights, config, context)
         family_bytes = {"GEMV": weights, "attention": bytes_.kv_cache, "GDN": bytes_.recurrent_state}
         runs.append(
@@ -90,9 +117,11 @@ def run_decode(
                 bytes=bytes_,
                 limit=limit_tokens_per_second(read_bandwidth, bytes_.total),
                 step_seconds=seconds / tokens,
-                replay_seconds=profile.replay,
-                families=family_times(profile.names, profile.attributed(), family_bytes, in_replay),
-                kernels=_by_kernel(profile.names, profile.attributed()),
+                replay_seconds=sum(stage_replays),
+                families=family_times(names, attributed, family_bytes, in_replay),
+                kernels=_by_kernel(names, attributed),
+                stage_replays=stage_replays,
+                hidden_size=config.hidden_size,
             )
         )
     for batch in batches:

@@ -51,6 +51,15 @@ def format_decode(report: DecodeReport) -> list[str]:
         f"and written) / streaming read. CMP projection = ratio x {CMP_READ_BANDWIDTH / 1e9:.0f} GB/s / bytes "
         "per token: a projection, not a measurement."
     )
+    for run in report.runs:
+        pipeline = run.pipeline_projection(report.read_bandwidth)
+        if pipeline is not None:
+            steps = " / ".join(f"{replay * 1e3:.2f}" for replay in run.stage_replays)
+            lines.append(
+                f"context {run.context}, {len(run.stage_replays)} stages (each step replayed alone: {steps} ms): "
+                f"projected to {len(run.stage_replays)} CMP cards {pipeline:.1f} tok/s (each stage scaled by the "
+                f"read bandwidths, run in turn with each hop's copies: cmpchat/bench/pipeline_schedule.py)"
+            )
     if report.shape == "9B":
         published = ", ".join(f"{name} {value} tok/s" for name, value in PUBLISHED_CMP_9B_DECODE.items())
         lines.append(f"published 9B Q8_0 decode on one CMP 100-210: {published}")
@@ -99,6 +108,7 @@ def decode_json(report: DecodeReport) -> dict:
 
 def _run_json(run: DecodeRun, report: DecodeReport) -> dict:
     llama = report.llama_at(run.context) if run.batch == 1 else None
+    pipeline = run.pipeline_projection(report.read_bandwidth)
     return {
         "context": run.context,
         "batch": run.batch,
@@ -109,6 +119,8 @@ def _run_json(run: DecodeRun, report: DecodeReport) -> dict:
         "step_ms": round(run.step_seconds * 1e3, 4),
         "replay_ms": None if run.replay_seconds is None else round(run.replay_seconds * 1e3, 4),
         "cmp_projection_tok_s": round(run.cmp_projection, 1) if run.batch == 1 else None,
+        "stage_replay_ms": [round(replay * 1e3, 4) for replay in run.stage_replays],
+        "pipeline_projection_tok_s": None if pipeline is None else round(pipeline, 1),
         "llama_cpp_tok_s": None if llama is None else llama.tokens_per_second,
         "families": [
             {

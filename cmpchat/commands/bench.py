@@ -42,6 +42,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     decode.add_argument("--folder", type=Path, help="where benchmark files are built (default: the cache folder)")
     decode.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench, to compare")
     decode.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
+    decode.add_argument("--gpus", metavar="LIST", help="pipeline stages' GPUs, e.g. 0,0,0 (three stages on GPU 0): "
+                        "adds each stage's time and a projection to one CMP card per stage")  # fmt: skip
+    decode.add_argument("--gpu-mem", metavar="SIZE", help="memory per stage, e.g. 16G (emulates smaller cards)")
     decode.set_defaults(handler=run_decode_bench)
     prefill = kinds.add_parser("prefill", help="prompt tok/s by prompt length")
     prefill.add_argument("models", nargs="*", default=["9B"], metavar="MODEL",
@@ -158,7 +161,8 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeRepor
     progress = StderrProgress()
     try:
         backend = CudaBackend(model_file, config, sequences=slots, saved_states=2,
-                              context=max(args.contexts) + margin, progress=progress)  # fmt: skip
+                              context=max(args.contexts) + margin, progress=progress,
+                              gpus=int_list(args.gpus, "--gpus"), gpu_mem=gpu_memory(args.gpu_mem))  # fmt: skip
         backend.warm_up(progress, max_rows=slots)
     finally:
         progress.close()

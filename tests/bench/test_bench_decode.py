@@ -181,3 +181,23 @@ def test_an_unwritable_bench_folder_is_one_clear_error(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(CmpchatError, match="cannot write .*pass --folder"):
         bench_model_path("0.8B", blocker)
+
+
+def test_a_pipelines_decode_is_projected_from_each_stage_alone() -> None:
+    from cmpchat.bench.limits import CMP_READ_BANDWIDTH
+    from cmpchat.bench.pipeline_schedule import HostLink
+
+    config_bytes = step_bytes(9_000_000_000, _config_stub(), 0)
+    run = DecodeRun(context=0, batch=1, tokens_per_second=250.0, bytes=config_bytes, limit=500.0,
+                    step_seconds=0.004, replay_seconds=0.0036, stage_replays=[0.0012] * 3, hidden_size=4096)  # fmt: skip
+    link = HostLink()
+    scale = 4.5e12 / CMP_READ_BANDWIDTH
+    hop = link.seconds(4 * 4096)
+    expected = 1 / (3 * 0.0012 * scale + 2 * 2 * hop + 2 * link.seconds(8) + (0.004 - 0.0036))
+    assert run.pipeline_projection(4.5e12) == pytest.approx(expected)
+    one_stage = DecodeRun(context=0, batch=1, tokens_per_second=250.0, bytes=config_bytes, limit=500.0,
+                          step_seconds=0.004, stage_replays=[0.0036])  # fmt: skip
+    assert one_stage.pipeline_projection(4.5e12) is None
+    report = DecodeReport("m.gguf", "NVIDIA H200", 4.5e12, [run], [], early_launch=True)
+    assert "projected to 3 CMP cards" in "\n".join(format_decode(report))
+    assert decode_json(report)["runs"][0]["pipeline_projection_tok_s"] == pytest.approx(expected, abs=0.05)

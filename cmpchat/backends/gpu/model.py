@@ -541,9 +541,9 @@ class CudaBackend(Backend[CudaSequence]):
 
     # -- benchmarks ---------------------------------------------------------------------------------------
 
-    def step_launches(self, rows: int) -> list[Any]:
-        """The launches of a decode step of `rows` sequences on the only stage, as last run."""
-        return self.stages[0].decode_steps[token_bucket(rows), False].launches
+    def step_launches(self, rows: int, stage: int = 0) -> list[Any]:
+        """The launches of a decode step of `rows` sequences on stage `stage`, as last run."""
+        return self.stages[stage].decode_steps[token_bucket(rows), False].launches
 
     def prompt_step_launches(self, sequence: CudaSequence, stage: int = 0) -> list[Any]:
         """The launches of `sequence`'s long-prompt step on stage `stage`, as last run."""
