@@ -103,9 +103,10 @@ def test_a_manual_split_is_kept_and_its_pool_is_what_its_fullest_stage_leaves():
 def test_a_model_that_does_not_fit_is_refused_with_the_numbers():
     costs = shape_costs("27B")
     with pytest.raises(CmpchatError) as refused:
-        split(costs, [12 * GIB, 12 * GIB], sequences=2, least_tokens=4096)
+        split(costs, [12 * GIB, 12 * GIB], sequences=2, least_tokens=4096, labels=["GPU 0", "GPU 3"])
     message = str(refused.value)
-    assert "does not fit 2 stage(s)" in message and "12.5, 12.5 GiB" in message and "add a GPU (--gpus)" in message
+    assert "does not fit 2 stage(s)" in message and "12.5 (GPU 0), 12.5 (GPU 3) GiB" in message
+    assert "add a GPU (--gpus)" in message
     assert "\n" not in message
 
 

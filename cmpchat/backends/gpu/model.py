@@ -225,6 +225,7 @@ class CudaBackend(Backend[CudaSequence]):
         found = split_layers(
             costs, budgets, [scratch_bytes(config) + s for s in prompt_scratch], sequences=sequences,
             page_tokens=page_tokens, most_tokens=most, least_tokens=least, counts=split, describe=lambda: config.name,
+            labels=[f"GPU {info.index}" for info in infos],
         )  # fmt: skip
         return [stage_plan(i, layers, found.pool_tokens) for i, layers in enumerate(found.ranges)]
 

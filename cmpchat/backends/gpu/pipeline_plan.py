@@ -58,10 +58,12 @@ def split_layers(
     least_tokens: int,
     counts: Sequence[int] | None = None,
     describe: Callable[[], str] = lambda: "the model",
+    labels: Sequence[str] | None = None,
 ) -> Split:
     """Layer ranges for stages with these `budgets` and `scratch` bytes (one each), holding `sequences` states
     each, and the pool they share, in whole pages: at most `most_tokens`, at least `least_tokens` (else
-    CmpchatError with the numbers). `counts`: layers per stage, given (a manual split), instead of searched."""
+    CmpchatError with the numbers). `counts`: layers per stage, given (a manual split), instead of searched.
+    `labels`: what the refusal calls each stage's device (e.g. "GPU 1")."""
     stages = len(budgets)
     if stages != len(scratch) or stages < 1:
         raise ValueError("one budget and one scratch size per stage")
@@ -84,7 +86,9 @@ def split_layers(
             left = room - sum(fixed[i] for i in layers)
             pages = min(pages, left // kv) if kv else pages if left >= 0 else -1
         if pages < least_pages:
-            raise CmpchatError(_refusal(describe(), costs, budgets, scratch, ranges, least_tokens, sequences, manual=True))
+            raise CmpchatError(
+                _refusal(describe(), costs, budgets, scratch, ranges, least_tokens, sequences, labels, manual=True)
+            )
         return Split(ranges, pages * page_tokens)
 
     def greedy(pages: int, weight_cap: int) -> list[range] | None:
@@ -110,7 +114,9 @@ def split_layers(
     everything = sum(costs.weights) + costs.last_extra
     if greedy(least_pages, everything) is None:
         tried = greedy(0, everything) or _even(costs.layers, stages)
-        raise CmpchatError(_refusal(describe(), costs, budgets, scratch, tried, least_tokens, sequences, manual=False))
+        raise CmpchatError(
+            _refusal(describe(), costs, budgets, scratch, tried, least_tokens, sequences, labels, manual=False)
+        )
     low, high = least_pages, most_pages  # low fits
     while low < high:
         middle = (low + high + 1) // 2
@@ -145,14 +151,14 @@ def _even(layers: int, stages: int) -> list[range]:
 
 def _refusal(
     name: str, costs: LayerCosts, budgets: Sequence[int], scratch: Sequence[int], ranges: Sequence[range],
-    least: int, sequences: int, *, manual: bool,
+    least: int, sequences: int, labels: Sequence[str] | None, *, manual: bool,
 ) -> str:  # fmt: skip
     """One line: what the model needs over the stages, against what they have, and what to do."""
     gib = 2**30
     weights = sum(costs.weights) + costs.first_extra + costs.last_extra
     states = sequences * sum(costs.state_per_sequence)
     kv = least * sum(costs.kv_per_token)
-    have = ", ".join(f"{b / gib:.1f}" for b in budgets)
+    have = ", ".join(f"{b / gib:.1f}" + (f" ({labels[i]})" if labels else "") for i, b in enumerate(budgets))
     split = "/".join(f"{r.start}-{r.stop - 1}" for r in ranges)
     advice = "change --split or give the stages more memory" if manual else "add a GPU (--gpus) or use a smaller model"
     return (
