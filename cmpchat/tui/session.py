@@ -29,14 +29,15 @@ class ReplyStats:
     reasoning_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, float]:
-        return {name: float(getattr(self, name)) for name in self.__slots__}  # type: ignore[attr-defined]
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> ReplyStats:
+        """From `to_dict`'s form; counts come back as ints (older rows stored every figure as a float)."""
         stats = cls()
         for name in cls.__slots__:  # type: ignore[attr-defined]
             if name in data:
-                setattr(stats, name, data[name])
+                setattr(stats, name, type(getattr(stats, name))(data[name]))
         return stats
 
     @classmethod

@@ -237,3 +237,18 @@ async def test_html_and_xml_in_a_reply_are_shown_as_written(make_app):
         assert "The tag <think> is literal here." in shown
         thought = reply.query_one(ReasoningBlock).query("MarkdownParagraph")
         assert "\n".join(plain(block) for block in thought) == reasoning
+
+
+async def test_a_reply_stopped_while_thinking_no_longer_says_thinking(make_app):
+    gate = threading.Event()  # never set: the reply waits in its reasoning until stopped
+    app = make_app(ScriptedModel(gate=gate))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await send(pilot, "think hard", wait=False)
+        await wait_for(pilot, lambda: screen.query(ReasoningBlock), what="the reasoning block")
+        block = screen.query_one(ReasoningBlock)
+        assert block.title == "thinking…"
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not screen.generating, timeout=2, what="the stop")
+        assert block.title.startswith("thought for ")
+        assert "stopped" in str(screen.query_one(ReplyView).stats_line.render())

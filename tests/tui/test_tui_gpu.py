@@ -7,6 +7,7 @@ import threading
 import types
 
 import pytest
+from textual.geometry import Region
 
 from cmpchat.tui.gpu_sampler import (
     FakeGpuSampler,
@@ -172,6 +173,12 @@ async def test_gpu_panel_layouts_and_colour_thresholds():
         narrow.problem = "no NVIDIA driver (NVML not found)"
         await pilot.pause()
         assert plain(narrow).splitlines() == ["GPUs", "no NVIDIA driver (NVML not found)"]
+        narrow.problem = (
+            "no GPU readings: NVML did not start (NVML Shared Library Not Found); is the NVIDIA driver loaded?"
+        )
+        await pilot.pause()
+        shown = [strip.text.strip() for strip in narrow.render_lines(Region(0, 0, *narrow.size))]
+        assert shown[0] == "GPUs" and " ".join(shown[1:]) == narrow.problem  # every line of it, none cut off
 
 
 @pytest.mark.asyncio

@@ -3,6 +3,7 @@ export."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from cmpchat.chat.messages import ImagePart
 from cmpchat.history.store import HistoryStore
 from cmpchat.tui.screens.dialogs import ConfirmDialog, TextInputDialog
 from cmpchat.tui.screens.image_picker import ImagePickerScreen
+from cmpchat.tui.session import ReplyStats
 from cmpchat.tui.widgets.chat_list import ChatList, ChatRows
 from cmpchat.tui.widgets.conversation import Conversation
 from cmpchat.tui.widgets.messages import ReplyView, UserMessage
@@ -133,6 +135,21 @@ async def test_replies_keep_the_label_of_the_model_that_wrote_them(make_app):
             assert current_chat(screen).model == "Qwen3.6-27B-Q8_0.gguf"
     finally:
         loading.set()
+
+
+async def test_a_restarted_app_shows_token_counts_as_whole_numbers(make_app):
+    app = make_app(ScriptedModel(), fresh_state=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await send(pilot, "hello")
+        live = str(screen.query_one(ReplyView).stats_line.render())
+    again = make_app(ScriptedModel(), fresh_state=False)
+    async with again.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        stored = str(screen.query_one(ReplyView).stats_line.render())
+    assert re.search(r" · \d+ tokens · ", stored) and stored == live
+    old_row = ReplyStats.from_dict({"generated_tokens": 2.0, "prompt_tokens": 18.0, "time_to_first_token": 1.5})
+    assert (old_row.generated_tokens, old_row.prompt_tokens) == (2, 18) and isinstance(old_row.generated_tokens, int)
 
 
 def reply_labels(screen) -> list[str]:

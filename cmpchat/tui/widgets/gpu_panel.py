@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from textual.app import RenderResult
+from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
 
@@ -54,7 +55,11 @@ class GpuPanel(Widget):
     def _fit_height(self) -> None:
         # A fixed height, changed only when the line count does: a new reading every second must
         # repaint the panel, not lay out the whole screen again.
-        if self.problem or not self.readings:
+        if self.problem:
+            # A problem is one sentence and wraps in the side column: every line of it must fit.
+            width = self.content_size.width
+            lines = 1 + (len(Content(self.problem).wrap(width)) if width > 0 else 1)
+        elif not self.readings:
             lines = 2
         else:
             one_line = self.size.width >= ONE_LINE_WIDTH

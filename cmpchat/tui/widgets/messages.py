@@ -97,8 +97,7 @@ class ReplyView(Vertical):
         yield Label(self.model_label, classes="role")
         record = self.record
         if record is not None and record.reasoning:
-            stats = ReplyStats.from_dict(record.stats)
-            title = f"thought for {seconds(stats.reasoning_seconds)}" if stats.reasoning_seconds else "reasoning"
+            title = _reasoning_title(ReplyStats.from_dict(record.stats))
             self.reasoning_block = ReasoningBlock(record.reasoning, title=title, collapsed=True)
             yield self.reasoning_block
         with self._tools:
@@ -142,6 +141,9 @@ class ReplyView(Vertical):
         """End the stream; `content` is the full answer, which replaces what streamed if they differ."""
         if self.reasoning_block is not None:
             await self.reasoning_block.finish()
+            # Folded when the answer started; a reply stopped, failed or cut off while thinking never got
+            # there, and its block must not go on saying "thinking…".
+            self.reasoning_block.title = _reasoning_title(stats)
         await self._stream.finish(content)
         self.show_stats(stats, status)
 
@@ -162,3 +164,10 @@ class ReplyView(Vertical):
             parts.append(note)
             self.stats_line.add_class(f"-{status}")
         self.stats_line.update(" · ".join(parts))
+
+
+def _reasoning_title(stats: ReplyStats | None) -> str:
+    """The title of a finished reply's reasoning block."""
+    if stats is not None and stats.reasoning_seconds:
+        return f"thought for {seconds(stats.reasoning_seconds)}"
+    return "reasoning"
