@@ -103,3 +103,23 @@ def test_long_prompts_are_pipelined_stage_k_running_chunk_t_minus_k(tiny_model_p
         expected += [("deliver", k, -1) for k in active if k < 2]
     assert log == expected
     assert sequence.length == 4 * PROMPT_ROWS and sequence.next_position == 4 * PROMPT_ROWS
+
+
+def test_a_stage_that_fails_to_load_names_its_gpu_and_layers(two_layer_model, monkeypatch):
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    from cmpchat.backends.gpu import stage as stage_module
+
+    upload = stage_module.upload_stage_weights
+
+    def second_stage_out_of_memory(model_file, config, layers, **options):
+        if layers.start == 1:
+            raise CudaAPIError(2, "Call to cuMemAlloc results in CUDA_ERROR_OUT_OF_MEMORY")
+        return upload(model_file, config, layers, **options)
+
+    monkeypatch.setattr(stage_module, "upload_stage_weights", second_stage_out_of_memory)
+    with pytest.raises(CmpchatError) as refused:
+        load(two_layer_model, gpus=[0, 0])
+    message = str(refused.value)
+    assert message.startswith("GPU 0 (Numba CUDA simulator), stage 1 (layers 1-1): loading failed:")
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in message and "--gpus" in message and "\n" not in message

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from numba import cuda
+from numba.cuda.cudadrv.driver import CudaAPIError
 
 from cmpchat.backends.gpu.device import GpuInfo
 from cmpchat.backends.gpu.kv_layout import KvLayout, KvPages
@@ -23,8 +24,10 @@ from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers, prompt_
 from cmpchat.backends.gpu.states import RecurrentStates
 from cmpchat.backends.gpu.step import AttentionSplits, StepBuffers, decode_launches
 from cmpchat.backends.gpu.weights import StageWeights, upload_stage_weights
+from cmpchat.cudart.driver_api import CudaDriverError
 from cmpchat.cudart.graph import StepLaunches
 from cmpchat.cudart.intrinsics import SIMULATOR
+from cmpchat.errors import CmpchatError
 from cmpchat.kernels.device_table import DeviceTuning
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
@@ -117,10 +120,17 @@ class Stage:
                 use_graphs=use_graphs,
             )
 
-        if SIMULATOR:
-            return make()
-        with cuda.gpus[gpu.index]:
-            return make()
+        try:
+            if SIMULATOR:
+                return make()
+            with cuda.gpus[gpu.index]:
+                return make()
+        except (CudaAPIError, CudaDriverError) as error:  # out of memory, a lost device: say which GPU
+            raise CmpchatError(
+                f"GPU {gpu.index} ({gpu.name}), stage {index} (layers {plan.layers.start}-{plan.layers.stop - 1}): "
+                f"loading failed: {' '.join(str(error).split())}; free the GPU's memory, lower --ctx or --gpu-mem, "
+                "or split over more GPUs (--gpus)"
+            ) from error
 
     # -- steps ------------------------------------------------------------------------------------
 
