@@ -1,4 +1,5 @@
-"""Errors as OpenAI-style objects: `{"error": {"message", "type", "param", "code"}}`, never a traceback."""
+"""Errors as OpenAI-style objects, `{"error": {"message", "type", "param", "code"}}`, never a traceback; on the
+Anthropic Messages routes in Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,19 @@ _TYPES: dict[int, str] = {
     503: "unavailable_error",
 }
 
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+"""Routes whose errors take Anthropic's shape, as the anthropic client reads them."""
+
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
 
 class ApiError(Exception):
     """A request that cannot be served, with the HTTP status and the error object's fields."""
@@ -35,13 +49,15 @@ class ApiError(Exception):
     def body(self) -> dict[str, object]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the client of the API at `path` reads it."""
         headers: dict[str, str] = {}
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         elif self.status == 503:
             headers["Retry-After"] = "1"  # busy or loading: worth retrying soon, as clients do on their own
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = anthropic_error_body(self.status, self.message) if path in ANTHROPIC_PATHS else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, object]:
@@ -49,9 +65,14 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def anthropic_error_body(status: int, message: str) -> dict[str, object]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 async def handle_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
@@ -63,19 +84,19 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return ApiError(exc.status_code, message).response()
+    return ApiError(exc.status_code, message).response(request.url.path)
 
 
 async def handle_user_error(request: Request, exc: Exception) -> Response:
     """A `CmpchatError` that escaped request preparation: by its contract, something the client can fix."""
-    return ApiError(400, str(exc)).response()
+    return ApiError(400, str(exc)).response(request.url.path)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     """An exception that escaped `UnexpectedErrorMiddleware` (one raised by a layer outside it)."""
     # Starlette re-raises the exception after this response, which logs it and makes uvicorn close the
     # connection: say so, or the client's next request on it is reset.
-    response = _unexpected(exc).response()
+    response = _unexpected(exc).response(request.url.path)
     response.headers["Connection"] = "close"
     return response
 
@@ -107,7 +128,7 @@ class UnexpectedErrorMiddleware:
             if started:
                 raise  # part of a response is out: the connection can only be cut
             log.exception("unexpected error serving %s %s", scope["method"], scope["path"])
-            await _unexpected(exc).response()(scope, receive, send)
+            await _unexpected(exc).response(scope["path"])(scope, receive, send)
 
 
 def _unexpected(exc: Exception) -> ApiError:

@@ -38,7 +38,7 @@ class ApiKeyMiddleware:
             "invalid or missing API key: send the header 'Authorization: Bearer <key>' or 'X-Api-Key: <key>'",
             code="invalid_api_key",
         )
-        await error.response()(scope, receive, send)
+        await error.response(scope["path"])(scope, receive, send)
 
     def _authorized(self, headers: Headers) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")

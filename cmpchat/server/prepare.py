@@ -58,17 +58,34 @@ def prepare_chat(body: ChatCompletionRequest, model: Model, settings: ServerSett
             param="response_format",
         )
     messages = [_message(m, i) for i, m in enumerate(body.messages)]
-    tools = _tools(body)
-    enable_thinking = _enable_thinking(body.chat_template_kwargs)
-    try:
-        limit = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
-        generation = model.chat_request(
-            messages, _options(body, settings, limit), tools=tools, enable_thinking=enable_thinking
-        )
-    except CmpchatError as err:
-        raise ApiError(400, f"messages: {err}", param="messages") from None
-    _check_context(generation.prompt, model)
+    limit = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
+    generation = conversation_request(
+        model,
+        messages,
+        _options(body, settings, limit),
+        tools=_tools(body),
+        enable_thinking=_enable_thinking(body.chat_template_kwargs),
+    )
     return PreparedRequest(generation, body.stream, _include_usage(body))
+
+
+def conversation_request(
+    model: Model,
+    messages: Sequence[Message],
+    options: GenerationOptions,
+    *,
+    tools: list[Tool] | None,
+    enable_thinking: bool | None,
+    where: str = "messages",
+) -> GenerationRequest:
+    """The engine request for the assistant's next turn of a conversation, every API's; a conversation the
+    template refuses, or one too long for the context, is a 400 (`where` names the field it came from)."""
+    try:
+        generation = model.chat_request(messages, options, tools=tools, enable_thinking=enable_thinking)
+    except CmpchatError as err:
+        raise ApiError(400, f"{where}: {err}", param=where) from None
+    check_context(generation.prompt, model)
+    return generation
 
 
 def render_chat(body: ChatCompletionRequest, model: Model) -> str:
@@ -92,7 +109,7 @@ def prepare_completion(body: CompletionRequest, model: Model, settings: ServerSe
     if body.logprobs is not None:
         raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
     tokens = _completion_prompt(body.prompt, model)
-    _check_context(tokens, model)
+    check_context(tokens, model)
     limit = body.max_tokens or settings.default_completion_max_tokens
     options = dataclasses.replace(_options(body, settings, limit), raw_text=True)  # completions return text as is
     generation = GenerationRequest(tuple(tokens), options)
@@ -109,26 +126,57 @@ def _include_usage(body: GenerationFields) -> bool:
 
 
 def _options(body: GenerationFields, settings: ServerSettings, max_tokens: int) -> GenerationOptions:
+    return generation_options(
+        settings,
+        max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+def generation_options(
+    settings: ServerSettings,
+    max_tokens: int,
+    *,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    seed: int | None = None,
+    stop: tuple[str, ...] = (),
+    stop_param: str = "stop",
+    ignore_eos: bool = False,
+) -> GenerationOptions:
+    """Sampling and limits from a request's fields, the server's defaults for those it leaves out (None)."""
     defaults = settings.sampling
-    top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)
     try:
         sampling = SamplingParams(
-            temperature=_pick(body.temperature, defaults.temperature),
-            top_k=top_k,
-            top_p=_pick(body.top_p, defaults.top_p),
-            min_p=_pick(body.min_p, defaults.min_p),
-            repetition_penalty=_pick(body.repetition_penalty, defaults.repetition_penalty),
-            presence_penalty=_pick(body.presence_penalty, defaults.presence_penalty),
-            frequency_penalty=_pick(body.frequency_penalty, defaults.frequency_penalty),
+            temperature=_pick(temperature, defaults.temperature),
+            top_k=defaults.top_k if top_k is None else max(top_k, 0),
+            top_p=_pick(top_p, defaults.top_p),
+            min_p=_pick(min_p, defaults.min_p),
+            repetition_penalty=_pick(repetition_penalty, defaults.repetition_penalty),
+            presence_penalty=_pick(presence_penalty, defaults.presence_penalty),
+            frequency_penalty=_pick(frequency_penalty, defaults.frequency_penalty),
             penalty_window=defaults.penalty_window,
-            seed=None if body.seed is None or body.seed == -1 else body.seed,
+            seed=None if seed is None or seed == -1 else seed,
         )
     except ValueError as err:
         raise ApiError(400, str(err)) from None
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     if len(stop) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", param="stop")
-    return GenerationOptions(sampling=sampling, max_tokens=max_tokens, stop=stop, ignore_eos=body.ignore_eos)
+        raise ApiError(400, f"{stop_param}: at most {MAX_STOP_STRINGS} stop strings", param=stop_param)
+    return GenerationOptions(sampling=sampling, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos)
 
 
 def _pick(value: _T | None, default: _T) -> _T:
@@ -141,7 +189,7 @@ def _message(message: ChatMessage, index: int) -> Message:
     if message.tool_calls and role != "assistant":
         raise ApiError(400, f"{where}.tool_calls: only assistant messages carry tool calls", param=where)
     calls = [
-        _tool_call(call.function.name, call.function.arguments, call.id, f"{where}.tool_calls.{j}")
+        tool_call(call.function.name, call.function.arguments, call.id, f"{where}.tool_calls.{j}.function.arguments")
         for j, call in enumerate(message.tool_calls or [])
     ]
     return Message(
@@ -173,14 +221,16 @@ def _content(message: ChatMessage, where: str) -> str | list[TextPart | ChatImag
     return parts
 
 
-def _tool_call(name: str, arguments: str | dict[str, Any], call_id: str, where: str) -> ToolCall:
+def tool_call(name: str, arguments: str | dict[str, Any], call_id: str, where: str) -> ToolCall:
+    """A call the assistant made earlier in the conversation; `arguments` is JSON text or an object, and
+    `where` names the field that holds them."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError:
-            raise ApiError(400, f"{where}.function.arguments: not valid JSON", param=where) from None
+            raise ApiError(400, f"{where}: not valid JSON", param=where) from None
     if not isinstance(arguments, dict):
-        raise ApiError(400, f"{where}.function.arguments: must be a JSON object", param=where)
+        raise ApiError(400, f"{where}: must be a JSON object", param=where)
     return ToolCall(name=name, arguments=arguments, id=call_id or new_call_id())
 
 
@@ -219,7 +269,7 @@ def _completion_prompt(prompt: str | list[int] | list[str] | list[list[int]], mo
     return ids
 
 
-def _check_context(tokens: Sequence[int], model: Model) -> None:
+def check_context(tokens: Sequence[int], model: Model) -> None:
     if not tokens:
         raise ApiError(400, "the prompt is empty", param="prompt")
     context = model.backend.context_limit

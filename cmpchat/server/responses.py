@@ -200,6 +200,12 @@ class ChunkWriter:
             body.setdefault("usage", None)
         return sse(body)
 
+    def broken(self) -> list[str]:
+        return [
+            sse(error_body(500, "internal server error while streaming; the server log has the details")),
+            sse("[DONE]"),
+        ]
+
     def _closing(self) -> list[str]:
         error = self.outcome.error()
         if error is not None:

@@ -1,42 +1,39 @@
-"""The HTTP endpoints: health, models, chat completions, completions, metrics, and llama-server's own
-(`llama_endpoints`)."""
+"""The HTTP endpoints: health, models, chat completions, completions, metrics, llama-server's own
+(`llama_endpoints`), OpenAI's Responses API (`openai_responses`) and Anthropic's Messages API
+(`anthropic_messages`)."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 import anyio
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from cmpchat.api import Model
-from cmpchat.server.errors import ApiError, error_body
+from cmpchat.server.anthropic_messages import messages_routes
+from cmpchat.server.errors import error_body
+from cmpchat.server.generation import serve
 from cmpchat.server.guard import read_json
 from cmpchat.server.llama_endpoints import llama_routes
 from cmpchat.server.metrics import CONTENT_TYPE, render_metrics
+from cmpchat.server.openai_responses import responses_routes
 from cmpchat.server.prepare import PreparedRequest, prepare_chat, prepare_completion
 from cmpchat.server.responses import (
     ChunkWriter,
     Kind,
-    Outcome,
     ResponseHeader,
     chat_completion_body,
-    sse,
     text_completion_body,
 )
-from cmpchat.server.runtime import LoadState, RequestStream, Runtime
+from cmpchat.server.runtime import LoadState, Runtime
 from cmpchat.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from cmpchat.server.settings import ServerSettings
 
-log = logging.getLogger("cmpchat.server")
-
 BodyT = TypeVar("BodyT", bound=BaseModel)
-
-_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _runtime(request: Request) -> Runtime:
@@ -96,55 +93,15 @@ async def _generate(
     body = parse_body(schema, await read_json(request, runtime.settings.max_request_bytes))
     # Rendering and tokenizing a long conversation takes a while: keep it off the event loop.
     prepared = await anyio.to_thread.run_sync(prepare, body, model, runtime.settings)
-    stream = runtime.open(prepared.generation)
     header = ResponseHeader(kind, runtime.model_name)
-    outcome = Outcome(prepared.prompt_tokens)
-    if prepared.stream:
-        writer = ChunkWriter(header, outcome, include_usage=prepared.include_usage)
-        return StreamingResponse(_event_stream(stream, writer), media_type="text/event-stream", headers=_STREAM_HEADERS)
-    await _wait_for(request, stream, outcome)
-    if not outcome.done:
-        return Response(status_code=499)  # the client went away; nobody reads this
-    error = outcome.error()
-    if error is not None:
-        raise ApiError(*error)
     build = chat_completion_body if kind == "chat" else text_completion_body
-    return JSONResponse(build(header, outcome))
-
-
-async def _wait_for(request: Request, stream: RequestStream, outcome: Outcome) -> None:
-    """Gather the request's events; if the client disconnects first, cancel the generation."""
-
-    async def watch_disconnect(cancel_scope: anyio.CancelScope) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        cancel_scope.cancel()
-
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(watch_disconnect, group.cancel_scope)
-            async for events in stream.batches():
-                for event in events:
-                    outcome.absorb(event)
-            group.cancel_scope.cancel()
-    finally:
-        stream.cancel()
-
-
-async def _event_stream(stream: RequestStream, writer: ChunkWriter) -> AsyncIterator[str]:
-    # Starlette cancels this generator when the client disconnects; `finally` then frees the slot.
-    try:
-        for chunk in writer.opening():
-            yield chunk
-        async for events in stream.batches():
-            for chunk in writer.feed(events):
-                yield chunk
-    except Exception:
-        log.exception("streaming a response failed")
-        yield sse(error_body(500, "internal server error while streaming; the server log has the details"))
-        yield sse("[DONE]")
-    finally:
-        stream.cancel()
+    return await serve(
+        request,
+        runtime,
+        prepared,
+        lambda outcome: ChunkWriter(header, outcome, include_usage=prepared.include_usage),
+        lambda outcome: build(header, outcome),
+    )
 
 
 def routes() -> list[Route]:
@@ -153,6 +110,8 @@ def routes() -> list[Route]:
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *llama_routes(),
+        *responses_routes(),
+        *messages_routes(),
     ]
     # llama-server answers with and without the /v1 prefix; so do we.
     for prefix in ("/v1", ""):

@@ -18,21 +18,23 @@ _MAX_INT64 = 2**63 - 1
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A request body or a part of one: strict types, unknown fields ignored, frozen."""
+
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ImageUrl(_Body):
+class ImageUrl(Body):
     url: str
     detail: str | None = None
 
 
-class ImagePart(_Body):
+class ImagePart(Body):
     type: Literal["image_url"]
     image_url: ImageUrl
 
@@ -40,19 +42,19 @@ class ImagePart(_Body):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str | dict[str, Any] = "{}"
     """JSON text, as OpenAI sends it; an object is accepted too."""
 
 
-class ToolCallParam(_Body):
+class ToolCallParam(Body):
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -61,36 +63,36 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDefinition(_Body):
+class ToolDefinition(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Body):
+class FunctionName(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: FunctionName
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class GenerationFields(_Body):
+class GenerationFields(Body):
     """What both endpoints share: the model name, streaming, sampling and limits."""
 
     model: str | None = None
@@ -133,7 +135,7 @@ class CompletionRequest(GenerationFields):
     logprobs: int | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     """llama-server's /tokenize."""
 
     content: str
@@ -143,19 +145,29 @@ class TokenizeRequest(_Body):
     with_pieces: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     """llama-server's /detokenize."""
 
     tokens: list[int]
 
 
 def parse_body(model: type[BodyT], data: object) -> BodyT:
-    """Validate a decoded JSON body; a failure becomes a 400 naming the first bad field."""
+    """Validate a decoded JSON body; a failure becomes a 400 naming a bad field."""
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"])
+        # Of a union's failures (one per alternative), the one that got deepest says best what is wrong.
+        first = max(err.errors(include_url=False), key=lambda error: len(error["loc"]))
+        where = ".".join(str(part) for part in first["loc"] if not _is_type_label(part))
         raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
+
+
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _is_type_label(part: int | str) -> bool:
+    """Whether a part of an error's location names a union's alternative (`str`, `list[...]`, `NamedToolChoice`)
+    rather than a field: field names are lower case and plain."""
+    return isinstance(part, str) and (part in _TYPE_LABELS or "[" in part or part[:1].isupper())

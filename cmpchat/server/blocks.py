@@ -1,0 +1,87 @@
+"""A reply's engine events as a sequence of blocks, the structure both the Responses and the Messages API stream:
+each run of reasoning or of answer text is one block, each tool call one. The APIs name them differently (output
+items; content blocks) and wrap them in their own events, from these."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from cmpchat.chat.messages import ToolCall
+from cmpchat.engine.events import ContentDelta, ReasoningDelta, ToolCallEvent
+from cmpchat.engine.request import EngineEvent
+
+BlockKind = Literal["reasoning", "text", "tool_call"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockOpened:
+    index: int
+    kind: BlockKind
+    call: ToolCall | None = None
+    """A tool call block's call, whole: the engine parses a call completely before it reports it."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockText:
+    index: int
+    kind: BlockKind
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockClosed:
+    index: int
+    kind: BlockKind
+    text: str
+    """All the block's text ("" for a tool call)."""
+    call: ToolCall | None = None
+
+
+BlockEvent = BlockOpened | BlockText | BlockClosed
+
+
+class BlockSplitter:
+    """Turns event batches into block events; a batch's text deltas of one block come out as one `BlockText`."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._open: BlockKind | None = None
+        self._text: list[str] = []
+
+    def feed(self, events: Sequence[EngineEvent]) -> list[BlockEvent]:
+        out: list[BlockEvent] = []
+        for event in events:
+            if isinstance(event, ToolCallEvent):
+                out += self._close()
+                index = self._next_index()
+                out += [BlockOpened(index, "tool_call", event.call), BlockClosed(index, "tool_call", "", event.call)]
+            elif isinstance(event, ReasoningDelta | ContentDelta) and event.text:
+                kind: BlockKind = "reasoning" if isinstance(event, ReasoningDelta) else "text"
+                if self._open != kind:
+                    out += self._close()
+                    self._open = kind
+                    out.append(BlockOpened(self._next_index(), kind))
+                self._text.append(event.text)
+                last = out[-1] if out else None
+                if isinstance(last, BlockText):
+                    out[-1] = BlockText(last.index, kind, last.text + event.text)
+                else:
+                    out.append(BlockText(self._count - 1, kind, event.text))
+        return out
+
+    def close(self) -> list[BlockEvent]:
+        """The end of the open block, if any (call once the reply is over)."""
+        return self._close()
+
+    def _next_index(self) -> int:
+        self._count += 1
+        return self._count - 1
+
+    def _close(self) -> list[BlockEvent]:
+        if self._open is None:
+            return []
+        closed = BlockClosed(self._count - 1, self._open, "".join(self._text))
+        self._open, self._text = None, []
+        return [closed]
