@@ -113,7 +113,11 @@ InputItem = Annotated[
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_type),
+    Discriminator(
+        _item_type,
+        custom_error_type="invalid_item",
+        custom_error_message="an input item is a message, function_call, function_call_output or reasoning item",
+    ),
 ]
 
 

@@ -1,6 +1,7 @@
 """Malformed and random requests over every route, their text full of odd Unicode (lone surrogates, noncharacters,
-controls, combining marks, special-token text): every answer is a well-formed response or a 4xx error object, the
-server never answers 5xx and keeps serving. About 1300 requests, a few seconds."""
+controls, combining marks, special-token text): every answer is a well-formed response or a 4xx error object (in
+Anthropic's shape on its routes), the server never answers 5xx and keeps serving. About 1650 requests, a few
+seconds."""
 
 from __future__ import annotations
 
@@ -166,6 +167,102 @@ template_bodies = st.fixed_dictionaries(
     {"messages": well_formed_messages}, optional=well_formed_extras
 ) | st.fixed_dictionaries({}, optional=any_conversation)
 
+response_items = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": odd_text | parts}
+    )
+    | st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": odd_text, "name": odd_text, "arguments": odd_text}
+    )
+    | st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": odd_text, "output": odd_text})
+    | st.fixed_dictionaries(
+        {"type": st.just("reasoning")},
+        optional={"content": st.lists(st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": odd_text}))},
+    ),
+    min_size=1,
+    max_size=4,
+)
+response_tools = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.just("function"), "name": odd_text},
+        optional={"description": odd_text, "parameters": st.dictionaries(odd_text, json_values, max_size=3)},
+    ),
+    max_size=3,
+)
+response_bodies = st.fixed_dictionaries(
+    {"input": odd_text | response_items, "max_output_tokens": limits},
+    optional={
+        "instructions": odd_text,
+        "stream": st.booleans(),
+        "tools": response_tools,
+        "tool_choice": st.sampled_from(["auto", "none", "required"]),
+        "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["none", "minimal", "low", "high"])}),
+    },
+) | st.fixed_dictionaries(
+    {"max_output_tokens": limits | json_values},
+    optional={
+        "input": response_items | json_values,
+        "instructions": json_values,
+        "stream": st.booleans() | json_values,
+        "tools": response_tools | json_values,
+        "tool_choice": json_values,
+        "reasoning": json_values,
+        "text": json_values,
+        "temperature": numbers,
+        "top_p": numbers,
+        "previous_response_id": json_values,
+    },
+)
+message_blocks = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": odd_text})
+    | st.fixed_dictionaries({"type": st.just("thinking"), "thinking": odd_text})
+    | st.fixed_dictionaries(
+        {"type": st.just("tool_use"), "id": odd_text, "name": odd_text, "input": st.dictionaries(odd_text, json_values)}
+    )
+    | st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": odd_text},
+        optional={"content": odd_text | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": odd_text}))},
+    ),
+    max_size=3,
+)
+anthropic_messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": odd_text | message_blocks}),
+    min_size=1,
+    max_size=3,
+)
+anthropic_tools = st.lists(
+    st.fixed_dictionaries(
+        {"name": odd_text, "input_schema": st.dictionaries(odd_text, json_values, max_size=3)},
+        optional={"description": odd_text},
+    ),
+    max_size=3,
+)
+anthropic_conversation = {
+    "system": odd_text,
+    "tools": anthropic_tools,
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none"])}),
+    "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive"])}),
+}
+message_bodies = st.fixed_dictionaries(
+    {"messages": anthropic_messages, "max_tokens": limits},
+    optional={**anthropic_conversation, "stream": st.booleans(), "stop_sequences": stops},
+) | st.fixed_dictionaries(
+    {"max_tokens": limits | json_values},
+    optional={
+        "messages": anthropic_messages | messages | json_values,
+        "system": json_values,
+        "tools": anthropic_tools | json_values,
+        "tool_choice": json_values,
+        "thinking": json_values,
+        "stream": st.booleans() | json_values,
+        "stop_sequences": json_values,
+        "temperature": numbers,
+        "top_k": numbers,
+    },
+)
+count_tokens_bodies = st.fixed_dictionaries({"messages": anthropic_messages}, optional=anthropic_conversation)
+
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
 ROUTES = (
     "/v1/chat/completions",
     "/chat/completions",
@@ -182,6 +279,9 @@ ROUTES = (
     "/health",
     "/v1/health",
     "/metrics",
+    "/v1/responses",
+    "/responses",
+    *ANTHROPIC_ROUTES,
 )
 
 
@@ -199,10 +299,41 @@ def check(response: httpx.Response) -> None:
         assert response.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
 
 
+def check_response(response: httpx.Response) -> None:
+    """A Responses API answer: a response that completed, or a client error."""
+    assert response.status_code in (200, 400, 413), (response.status_code, response.text)
+    if response.status_code != 200:
+        check_error(response)
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        # Split on line feeds alone, as server-sent events are: splitlines() also splits at U+2028 inside the JSON.
+        events = [json.loads(line[6:]) for line in response.text.split("\n") if line.startswith("data: ")]
+        assert [event["sequence_number"] for event in events] == list(range(len(events)))
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    else:
+        assert response.json()["status"] in ("completed", "incomplete")
+
+
+def check_message(response: httpx.Response) -> None:
+    """A Messages API answer: a whole message, or a client error in Anthropic's shape."""
+    assert response.status_code in (200, 400, 413), (response.status_code, response.text)
+    if response.status_code != 200:
+        check_error(response)
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        names = [line[7:] for line in response.text.split("\n") if line.startswith("event: ")]
+        assert names[0] == "message_start" and names[-1] == "message_stop" and "error" not in names, names
+    else:
+        assert response.json()["stop_reason"] in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
+
+
 def check_error(response: httpx.Response) -> None:
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
-    error = response.json()["error"]
-    assert isinstance(error["message"], str) and error["type"] == "invalid_request_error"
+    body = response.json()
+    error = body["error"]
+    assert isinstance(error["message"], str)
+    if response.request.url.path in ANTHROPIC_ROUTES:
+        assert body["type"] == "error" and error["type"] in ("invalid_request_error", "request_too_large"), body
+    else:
+        assert error["type"] == "invalid_request_error"
 
 
 def check_any(response: httpx.Response) -> None:
@@ -211,6 +342,10 @@ def check_any(response: httpx.Response) -> None:
         check_error(response)
     elif response.request.url.path.endswith("completions"):
         check(response)
+    elif response.request.url.path.endswith("responses"):
+        check_response(response)
+    elif response.request.url.path == "/v1/messages":
+        check_message(response)
     elif response.request.url.path != "/metrics":
         response.json()
 
@@ -272,11 +407,33 @@ def test_fuzzed_apply_template_requests(http: httpx.Client, body: dict) -> None:
         check_error(response)
 
 
+@fuzz(150)
+@given(body=response_bodies)
+def test_fuzzed_responses_requests(http: httpx.Client, body: dict) -> None:
+    check_response(post_json(http, "/v1/responses", body))
+
+
+@fuzz(150)
+@given(body=message_bodies)
+def test_fuzzed_messages_requests(http: httpx.Client, body: dict) -> None:
+    check_message(post_json(http, "/v1/messages", body))
+
+
+@fuzz(50)
+@given(body=count_tokens_bodies | message_bodies)
+def test_fuzzed_count_tokens_requests(http: httpx.Client, body: dict) -> None:
+    response = post_json(http, "/v1/messages/count_tokens", body)
+    if response.status_code == 200:
+        assert response.json()["input_tokens"] > 0
+    else:
+        check_error(response)
+
+
 @fuzz(300)
 @given(
     route=st.sampled_from(ROUTES),
     method=st.sampled_from(["GET", "POST", "PUT"]),
-    body=json_values | chat_bodies | completion_bodies | tokenize_bodies | detokenize_bodies,
+    body=json_values | chat_bodies | completion_bodies | tokenize_bodies | response_bodies | message_bodies,
 )
 def test_any_body_on_any_route(http: httpx.Client, route: str, method: str, body: object) -> None:
     content = json.dumps(body) if method != "GET" else None
