@@ -1,6 +1,7 @@
 """Stopping the server (SIGTERM, or Ctrl+C's SIGINT) with requests in flight: those that end within the grace
-period end as usual; the rest are ended, a stream with an error event and `[DONE]`, a plain request with a JSON
-503, before the connections close."""
+period end as usual; the rest are ended, a stream with an error event and `[DONE]` (a Responses stream with
+`response.failed`, a Messages stream with Anthropic's `error` event), a plain request with a JSON 503, before the
+connections close."""
 
 from __future__ import annotations
 
@@ -82,4 +83,40 @@ def test_stopping_the_server_answers_every_request_in_flight(
         finished = short.result()
         assert finished.status_code == 200, finished.text
         assert finished.json()["choices"][0]["finish_reason"] == "length"
+    process.wait(timeout=10)
+
+
+def test_stopping_the_server_ends_responses_and_messages_streams_in_their_apis_shapes(
+    served: tuple[subprocess.Popen[str], str],
+) -> None:
+    process, url = served
+    endless = "SAY:" + FOREVER
+    with httpx.Client(base_url=url, timeout=30) as http:
+        wait_for(lambda: http.get("/health").status_code == 200, "the model to load")
+        response = http.send(
+            http.build_request(
+                "POST", "/v1/responses", json={"input": endless, "max_output_tokens": 100_000, "stream": True}
+            ),
+            stream=True,
+        )
+        message = http.send(
+            http.build_request(
+                "POST",
+                "/v1/messages",
+                json={"messages": [{"role": "user", "content": endless}], "max_tokens": 100_000, "stream": True},
+            ),
+            stream=True,
+        )
+        wait_for(lambda: metric(url, "cmpchat_requests_running") == 2, "both requests to run")
+        process.send_signal(signal.SIGTERM)
+
+        failed = json.loads(sse_events(response)[-1])
+        assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+        assert "shutting down" in failed["response"]["error"]["message"]
+
+        lines = [line for line in message.iter_lines() if line]
+        assert lines[-2] == "event: error"
+        error = json.loads(lines[-1].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+        assert "shutting down" in error["error"]["message"]
     process.wait(timeout=10)
