@@ -1,5 +1,5 @@
 """The request bodies the server accepts, as typed models (the OpenAI chat and completions APIs, llama-server's
-/tokenize and /detokenize).
+/tokenize and /detokenize; the Responses and Messages APIs keep theirs in their own modules, on `Body`).
 
 Validation is strict (no "1" for 1, no 1 for true) and unknown fields are ignored, as OpenAI clients
 send fields that do not apply here. Fields we know but cannot honour are refused in `prepare`.
