@@ -280,7 +280,8 @@ def matched_stop(tokenizer: Tokenizer, finished: Finished, stops: Sequence[str])
     return None
 
 
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+"""Anthropic's stop reasons for the engine's finish reasons (a cancelled reply is answered as an error)."""
 
 
 class MessageShape:

@@ -408,7 +408,7 @@ class ResponseEventWriter:
         return out
 
     def broken(self) -> list[str]:
-        return [self._failed("server_error", "internal server error while streaming; the server log has the details")]
+        return [self._failed("internal server error while streaming; the server log has the details")]
 
     def _block(self, block: BlockEvent) -> list[str]:
         index = block.index
@@ -467,15 +467,14 @@ class ResponseEventWriter:
     def _closing(self) -> list[str]:
         error = self.outcome.error()
         if error is not None:
-            status, message = error
-            return [self._failed("server_error" if status == 500 else "unavailable", message)]
+            return [self._failed(error[1])]
         response = self.shape.final(self._output, self.outcome)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return [self._send(kind, response=response)]
 
-    def _failed(self, code: str, message: str) -> str:
+    def _failed(self, message: str) -> str:
         response = self.shape.response("failed", self._output)
-        response["error"] = {"code": code, "message": message}
+        response["error"] = {"code": "server_error", "message": message}  # the one code of OpenAI's that fits
         return self._send("response.failed", response=response)
 
     def _send(self, kind: str, **data: Any) -> str:
