@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from textual.widgets import Label
+from textual.widgets import Input, Label
 
 from cmpchat.chat.messages import ImagePart
 from cmpchat.history.store import HistoryStore
 from cmpchat.tui.screens.dialogs import ConfirmDialog, TextInputDialog
 from cmpchat.tui.screens.image_picker import ImagePickerScreen
+from cmpchat.tui.screens.overlays import ChatListScreen
 from cmpchat.tui.session import ReplyStats
 from cmpchat.tui.widgets.chat_list import ChatList, ChatRows
 from cmpchat.tui.widgets.conversation import Conversation
@@ -232,6 +233,57 @@ async def test_rename_and_delete_from_the_chat_list(make_app):
         await pilot.pause()
         assert app.history.chat(chat_id) is None and screen.session.chat is None
         assert not screen.query(UserMessage)
+
+
+async def test_after_a_delete_the_next_chat_is_selected_in_the_list(make_app):
+    app = make_app(ScriptedModel())
+    async with app.run_test(size=(160, 48)) as pilot:
+        screen = await ready(pilot)
+        for title in ("oldest", "middle", "newest"):
+            await pilot.press("ctrl+n")
+            await send(pilot, title)
+        rows = screen.query_one(ChatRows)
+
+        async def delete_highlighted() -> None:
+            rows.focus()
+            await pilot.press("d")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog))
+            await pilot.click("#yes")
+            await wait_for(pilot, lambda: app.screen is screen)
+            await pilot.pause()
+
+        def highlighted_title() -> str:
+            assert rows.highlighted is not None, "nothing is selected"
+            chat_id = rows.highlighted_chat()
+            assert chat_id is not None
+            return app.history.chat(chat_id).title
+
+        rows.highlighted = 1  # "middle", not the open chat
+        await delete_highlighted()
+        assert rows.option_count == 2 and highlighted_title() == "oldest"  # the next one took its row
+        assert screen.focused is rows
+        rows.highlighted = 0  # "newest", the open chat
+        await delete_highlighted()
+        assert screen.session.chat is None and highlighted_title() == "oldest"
+        assert screen.focused is rows
+
+
+@pytest.mark.parametrize("size", [(160, 48), (80, 24)])
+async def test_slash_in_the_chat_list_goes_to_search(make_app, size):
+    app = make_app(ScriptedModel())
+    async with app.run_test(size=size) as pilot:
+        screen = await ready(pilot)
+        await send(pilot, "a chat about slashes")
+        screen.query_one(PromptArea).focus()
+        await pilot.press("slash")
+        assert screen.query_one(PromptArea).text == "/"  # in the prompt it is a character
+        if size[0] < 120:
+            await pilot.press("f2")  # the chat list as an overlay
+            await wait_for(pilot, lambda: isinstance(app.screen, ChatListScreen))
+        app.screen.query_one(ChatRows).focus()
+        await pilot.press("slash", *"slash")
+        search = app.screen.query_one("#chat-search", Input)
+        assert app.screen.focused is search and search.value == "slash"
 
 
 async def test_export_writes_the_chat_as_markdown(make_app, tmp_path):

@@ -103,9 +103,12 @@ def delete_chat(screen: ChatScreen, chat_id: int) -> None:
         if is_open and screen.generating:
             screen.notify("Stop the reply first (Esc).", severity="warning")
             return
+        focused = screen.focused  # the chat list, where the person goes on after a delete
         screen.session.store.delete_chat(chat.id)
         if is_open:
             await screen.action_new_chat()
+            if focused is not None:
+                focused.focus()
         screen.refresh_chat_lists()
 
     message = f"Delete “{chat.title}” and all its messages?"

@@ -19,7 +19,7 @@ def binding_rows(bindings: Iterable[BindingType], keymap: Mapping[str, str]) -> 
         if not isinstance(binding, Binding) or not binding.id:
             continue
         keys = keymap.get(binding.id, binding.key)
-        rows.append((_pretty(keys), str(binding.tooltip or binding.description or binding.action), binding.id))
+        rows.append((pretty_keys(keys), str(binding.tooltip or binding.description or binding.action), binding.id))
     return rows
 
 
@@ -55,10 +55,18 @@ class HelpScreen(ModalScreen[None]):
         self.dismiss(None)
 
 
-_NAMES = {"ctrl": "Ctrl", "alt": "Alt", "shift": "Shift", "escape": "Esc", "enter": "Enter", "delete": "Del"}
+_NAMES = {
+    "ctrl": "Ctrl",
+    "alt": "Alt",
+    "shift": "Shift",
+    "escape": "Esc",
+    "enter": "Enter",
+    "delete": "Del",
+    "slash": "/",
+}
 
 
-def _pretty(keys: str) -> str:
+def pretty_keys(keys: str) -> str:
     """ "ctrl+j,alt+enter" -> "Ctrl+J, Alt+Enter"."""
     pretty = []
     for key in keys.split(","):

@@ -26,19 +26,23 @@ class ChatRows(OptionList):
     BINDINGS = [
         Binding("r", "rename", "rename", id="chats.rename", tooltip="Rename the chat (in the chat list)"),
         Binding("delete,d", "delete", "delete", id="chats.delete", tooltip="Delete the chat (in the chat list)"),
+        Binding("slash", "search", "search", id="chats.search", tooltip="Search the chats (in the chat list)"),
     ]
 
+    def action_search(self) -> None:
+        self.query_ancestor(ChatList).focus_search()
+
     def action_rename(self) -> None:
-        chat_id = self._highlighted_chat()
+        chat_id = self.highlighted_chat()
         if chat_id is not None:
             self.post_message(ChatList.RenameRequested(chat_id))
 
     def action_delete(self) -> None:
-        chat_id = self._highlighted_chat()
+        chat_id = self.highlighted_chat()
         if chat_id is not None:
             self.post_message(ChatList.DeleteRequested(chat_id))
 
-    def _highlighted_chat(self) -> int | None:
+    def highlighted_chat(self) -> int | None:
         if self.highlighted is None:
             return None
         option_id = self.get_option_at_index(self.highlighted).id
@@ -64,6 +68,8 @@ class ChatList(Vertical):
         super().__init__(id=id, classes=classes)
         self._search = search
         self.current_chat: int | None = None
+        self._listed_current: int | None = None
+        """The open chat when the list was last filled."""
 
     def compose(self) -> ComposeResult:
         yield ChatRows(id="chat-options")
@@ -73,7 +79,12 @@ class ChatList(Vertical):
         self.refresh_chats()
 
     def refresh_chats(self) -> None:
+        """List the chats again. The highlight goes to the open chat when another chat has been opened;
+        else it stays on its chat or, when that chat is gone (deleted, or no longer matching the search),
+        on the row where it was."""
         options = self.query_one(ChatRows)
+        row, chat = options.highlighted, options.highlighted_chat()
+        opened, self._listed_current = self.current_chat != self._listed_current, self.current_chat
         text = self.query_one("#chat-search", Input).value
         hits = self._search(text)
         options.clear_options()
@@ -82,9 +93,14 @@ class ChatList(Vertical):
             options.add_option(
                 Option(Text("no chats yet" if not text else "no chat matches", style="dim"), disabled=True)
             )
-        for index, hit in enumerate(hits):
-            if hit.chat.id == self.current_chat:
-                options.highlighted = index
+            return
+        ids = [hit.chat.id for hit in hits]
+        if (opened or row is None) and self.current_chat in ids:
+            options.highlighted = ids.index(self.current_chat)
+        elif chat in ids:
+            options.highlighted = ids.index(chat)
+        elif row is not None:
+            options.highlighted = min(row, len(ids) - 1)
 
     def focus_search(self) -> None:
         self.query_one("#chat-search", Input).focus()
