@@ -9,15 +9,17 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from textual import work
-from textual.app import App
+from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.message import Message
 from textual.reactive import var
+from textual.screen import Screen
 
 from cmpchat.api import Model
 from cmpchat.errors import CmpchatError
@@ -29,7 +31,7 @@ from cmpchat.paths import data_dir
 from cmpchat.tui.gpu_sampler import GpuMonitor, GpuReading, GpuSampler, open_nvml_sampler
 from cmpchat.tui.model_request import ModelOpener, ModelRequest, open_requested
 from cmpchat.tui.screens.chat_screen import ChatScreen
-from cmpchat.tui.screens.help import HelpScreen, binding_rows
+from cmpchat.tui.screens.help import HelpScreen, binding_rows, pretty_keys
 from cmpchat.tui.screens.model_picker import ModelPickerScreen
 from cmpchat.tui.session import ChatSession
 from cmpchat.tui.settings import AppState, Settings, load_state, save_state, settings_path
@@ -234,6 +236,38 @@ class CmpchatApp(App[None]):
     def action_help(self) -> None:
         bindings = [*ChatScreen.BINDINGS, *PromptArea.BINDINGS[-2:], *ChatRows.BINDINGS, *self.BINDINGS]
         self.push_screen(HelpScreen(binding_rows(bindings, self.settings.keymap), str(settings_path())))
+
+    # -- the command palette --------------------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """Textual's commands (its screenshot replaced by ours), every chat action the screen allows now,
+        and the key list: F1 says the palette holds every action."""
+        for command in super().get_system_commands(screen):
+            if command.title != "Screenshot":
+                yield command
+        yield SystemCommand(
+            "Screenshot",
+            "Save an SVG picture of the screen in the current folder",
+            lambda: self.set_timer(0.1, self.action_screenshot),  # once the palette has closed
+        )
+        if isinstance(screen, ChatScreen):
+            for binding in ChatScreen.BINDINGS:
+                if isinstance(binding, Binding) and binding.tooltip and screen.check_action(binding.action, ()):
+                    keys = pretty_keys(self.settings.keymap.get(binding.id or "", binding.key))
+                    yield SystemCommand(binding.tooltip, keys, partial(screen.run_action, binding.action))
+        yield SystemCommand("All keys", "F1: every key, and where to change them", self.action_help)
+
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Save an SVG of the screen in `path` (the current folder by default), or say why it could not be.
+
+        Textual's own saves to ~/Downloads, which a server seldom has, and reports a failure without its
+        reason."""
+        try:
+            saved = self.save_screenshot(filename, path or str(Path.cwd()))
+        except OSError as err:
+            self.notify(f"Could not save it: {err.strerror or err}", title="Screenshot", severity="error")
+            return
+        self.notify(f"Saved {saved}", title="Screenshot", timeout=4)
 
     # -- history --------------------------------------------------------------------------------
 

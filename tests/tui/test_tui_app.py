@@ -10,6 +10,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+from textual.command import CommandList, CommandPalette
 from textual.widgets import OptionList
 
 from cmpchat.api import open_model
@@ -61,6 +62,53 @@ async def test_every_shipped_theme_renders(make_app, theme):
         await send(pilot, "hi")
         assert app.theme == theme
         assert app.current_theme.ansi is (theme == "terminal")
+
+
+async def run_from_palette(pilot, search: str, title: str) -> None:
+    """Open the command palette, search, check that the first command found is `title`, and run it."""
+    await pilot.press("ctrl+p")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, CommandPalette), what="the palette")
+    await pilot.press(*search)
+    options = pilot.app.screen.query_one(CommandList)
+    await wait_for(pilot, lambda: options.option_count, what=f"commands matching {search!r}")
+    await pilot.pause(0.3)
+    first = options.get_option_at_index(0).prompt
+    assert title in str(getattr(first, "plain", first)), f"{search!r} found {first!r} first"
+    await pilot.press("down", "enter")  # the first found is highlighted with down, then run
+
+
+async def test_the_palette_has_the_chat_actions(make_app):
+    app = make_app(ScriptedModel())
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await send(pilot, "hello")
+        await run_from_palette(pilot, "export", "Export this chat to Markdown")
+        await wait_for(pilot, lambda: isinstance(app.screen, TextInputDialog), what="the export dialog")
+        await pilot.press("escape")
+        await run_from_palette(pilot, "new chat", "Start a new chat")
+        await wait_for(pilot, lambda: screen.session.chat is None, what="a new chat")
+        await run_from_palette(pilot, "all keys", "All keys")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), what="the key list")
+
+
+async def test_the_palette_screenshot_is_saved_or_says_why_not(make_app, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app = make_app(ScriptedModel())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await run_from_palette(pilot, "screenshot", "Screenshot")
+        await wait_for(pilot, lambda: list(tmp_path.glob("*.svg")), what="the screenshot")
+        await wait_for(pilot, lambda: any("Saved" in n.message for n in app._notifications), what="the notice")
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        monkeypatch.chdir(gone)
+        gone.rmdir()  # the folder the app was started in no longer exists
+        await run_from_palette(pilot, "screenshot", "Screenshot")
+        await wait_for(
+            pilot,
+            lambda: any("Could not save it: No such file" in n.message for n in app._notifications),
+            what="the reason",
+        )
 
 
 async def test_help_lists_bindings_with_their_ids_and_the_keymap_remaps_them(make_app, tmp_path):
