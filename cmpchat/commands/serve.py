@@ -29,7 +29,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="requests that may wait for a slot; more get 503 (default 64)",
     )
     key = parser.add_mutually_exclusive_group()
-    key.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health")
+    key.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require the key on every route but /health, as 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+    )
     key.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE (keeps it out of `ps`)")
     parser.add_argument("--alias", metavar="NAME", help="the model id clients see (default: the file name)")
     parser.add_argument(
