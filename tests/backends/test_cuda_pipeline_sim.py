@@ -123,3 +123,16 @@ def test_a_stage_that_fails_to_load_names_its_gpu_and_layers(two_layer_model, mo
     message = str(refused.value)
     assert message.startswith("GPU 0 (Numba CUDA simulator), stage 1 (layers 1-1): loading failed:")
     assert "CUDA_ERROR_OUT_OF_MEMORY" in message and "--gpus" in message and "\n" not in message
+
+
+def test_each_stage_reports_its_own_upload(two_layer_model):
+    reports: list[tuple[str, int, int]] = []
+    load(two_layer_model, gpus=[0, 0], progress=lambda label, done, total: reports.append((label, done, total)))
+    labels = list(dict.fromkeys(label for label, _, _ in reports))
+    assert labels == [
+        "loading weights onto GPU 0 (stage 0, layers 0-0)",
+        "loading weights onto GPU 0 (stage 1, layers 1-1)",
+    ]
+    for label in labels:
+        mine = [(done, total) for name, done, total in reports if name == label]
+        assert mine[-1][0] == mine[-1][1] > 0 and all(a[0] <= b[0] for a, b in zip(mine, mine[1:]))

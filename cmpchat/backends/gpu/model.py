@@ -112,25 +112,19 @@ class CudaBackend(Backend[CudaSequence]):
         tunings = [tuning or default_tuning(info) for info in infos]
         self.gpu, self.tuning = infos[0], tunings[0]
         last_index = len(self.plans) - 1
-        total = sum(
-            stage_weight_bytes(model_file, config, p.layers, first=i == 0, last=i == last_index)
-            for i, p in enumerate(self.plans)
-        )
-        uploaded = 0
 
-        def on_upload(nbytes: int) -> None:
-            nonlocal uploaded
-            uploaded += nbytes
-            if progress is not None:
-                progress("loading weights onto the GPU", min(uploaded, total), total)
-
-        self.stages = [
-            Stage.load(i, info, row, p, model_file, config, layout, first=i == 0, last=i == last_index,
-                       use_graphs=use_graphs, on_upload=on_upload)
-            for i, (info, row, p) in enumerate(zip(infos, tunings, self.plans, strict=True))
-        ]  # fmt: skip
-        if progress is not None:
-            progress("loading weights onto the GPU", total, total)
+        self.stages = []
+        for i, (info, row, p) in enumerate(zip(infos, tunings, self.plans, strict=True)):
+            label = "loading weights onto the GPU"  # with several stages, a bar per stage
+            if len(self.plans) > 1:
+                label = (
+                    f"loading weights onto GPU {info.index} (stage {i}, layers {p.layers.start}-{p.layers.stop - 1})"
+                )
+            total = stage_weight_bytes(model_file, config, p.layers, first=i == 0, last=i == last_index)
+            uploads = _UploadProgress(label, total, progress)
+            self.stages.append(Stage.load(i, info, row, p, model_file, config, layout, first=i == 0,
+                                          last=i == last_index, use_graphs=use_graphs, on_upload=uploads))  # fmt: skip
+            uploads.finish()
         self.pool = PagePool(self.plans[0].pool_pages, self.plans[0].page_tokens)
         self.context_limit = min(p.context_limit for p in self.plans)
         width = PROMPT_ROWS * config.hidden_size
@@ -630,6 +624,22 @@ def choose_stages(
         assert refusal is not None
         raise refusal
     return fitting
+
+
+class _UploadProgress:
+    """Reports one stage's weight upload as `progress(label, bytes so far, total)`."""
+
+    def __init__(self, label: str, total: int, progress: Progress | None) -> None:
+        self.label, self.total, self.progress, self.done = label, total, progress, 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress(self.label, min(self.done, self.total), self.total)
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress(self.label, self.total, self.total)
 
 
 def _check_live(sequence: CudaSequence) -> None:
