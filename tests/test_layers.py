@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cmpchat"
 
 LAYERS: list[set[str]] = [
     {"errors", "paths", "long_lived"},
-    {"model", "vocab", "tokenizer", "chat", "sampling", "history", "kv_formats"},
+    {"model", "vocab", "tokenizer", "chat", "sampling", "history", "kv_formats", "gpu_readings"},
     {"cudart"},
     {"kernels", "devtools"},
     {"backends"},

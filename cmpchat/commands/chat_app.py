@@ -41,8 +41,8 @@ def add_app_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here: Textual and the image protocols are only needed when the app opens, and
     # textual_image must query the terminal before Textual takes it over.
+    from cmpchat.gpu_readings import FakeGpuSampler
     from cmpchat.tui.app import CmpchatApp
-    from cmpchat.tui.gpu_sampler import FakeGpuSampler
     from cmpchat.tui.model_request import ModelRequest
     from cmpchat.tui.settings import load_settings
 

@@ -23,12 +23,12 @@ from textual.screen import Screen
 
 from cmpchat.api import Model
 from cmpchat.errors import CmpchatError
+from cmpchat.gpu_readings import GpuMonitor, GpuReading, GpuSampler, open_nvml_sampler
 from cmpchat.history.images import ImageStore
 from cmpchat.history.store import HistoryStore, SearchHit
 from cmpchat.long_lived import freeze_loaded, thaw_before_replacing
 from cmpchat.model.discovery import FoundModel, default_roots, find_models
 from cmpchat.paths import data_dir
-from cmpchat.tui.gpu_sampler import GpuMonitor, GpuReading, GpuSampler, open_nvml_sampler
 from cmpchat.tui.model_request import ModelOpener, ModelRequest, open_requested
 from cmpchat.tui.screens.chat_screen import ChatScreen
 from cmpchat.tui.screens.help import HelpScreen, binding_rows, pretty_keys

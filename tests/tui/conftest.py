@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from cmpchat.gpu_readings import FakeGpuSampler
 from cmpchat.history.images import ImageStore
 from cmpchat.history.store import HistoryStore
 from cmpchat.tui.app import CmpchatApp
-from cmpchat.tui.gpu_sampler import FakeGpuSampler
 from cmpchat.tui.model_request import ModelOpener, ModelRequest
 from cmpchat.tui.settings import AppState, Settings
 from tests.tui.fakes import ScriptedModel, scripted_opener

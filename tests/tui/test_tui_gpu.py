@@ -1,133 +1,16 @@
-"""The GPU panel and its samplers: a fake sampler in CI, a fake NVML for the reading code, and the real
-NVML on a GPU machine (`pytest -m gpu`)."""
+"""The GPU panel and the status bar's summary, fed by the fake sampler (the readings themselves:
+tests/test_gpu_readings.py)."""
 
 from __future__ import annotations
-
-import threading
-import types
 
 import pytest
 from textual.geometry import Region
 
-from cmpchat.tui.gpu_sampler import (
-    FakeGpuSampler,
-    GpuMonitor,
-    GpuReading,
-    NvmlSampler,
-    UnavailableSampler,
-    open_nvml_sampler,
-)
+from cmpchat.gpu_readings import FakeGpuSampler, GpuReading
 from cmpchat.tui.widgets.gpu_panel import GpuPanel, summary
 from tests.tui.helpers import plain, wait_for
 
 GIB = 2**30
-
-
-def test_fake_sampler_is_deterministic_and_moves():
-    a, b = FakeGpuSampler(3), FakeGpuSampler(3)
-    first = a.read()
-    assert first == b.read() and len(first) == 3
-    assert a.read() != first  # the next reading differs
-    for r in first:
-        assert r.utilization is not None and r.memory_used is not None and r.memory_total is not None
-        assert 0 <= r.utilization <= 100 and r.memory_used < r.memory_total
-
-
-class FakeNvml(types.SimpleNamespace):
-    """Enough of pynvml for NvmlSampler; GPU 1 refuses power readings, as some mining cards do."""
-
-    class NVMLError(Exception):
-        pass
-
-    NVML_PCIE_UTIL_RX_BYTES = 1
-    NVML_PCIE_UTIL_TX_BYTES = 0
-    NVML_TEMPERATURE_GPU = 0
-
-    def __init__(self, count: int) -> None:
-        super().__init__()
-        self.count = count
-        self.shut = False
-
-    def nvmlDeviceGetCount(self):
-        return self.count
-
-    def nvmlDeviceGetHandleByIndex(self, index):
-        return index
-
-    def nvmlDeviceGetName(self, handle):
-        return b"NVIDIA CMP 100-210"
-
-    def nvmlDeviceGetUtilizationRates(self, handle):
-        return types.SimpleNamespace(gpu=97 - handle, memory=40)
-
-    def nvmlDeviceGetMemoryInfo(self, handle):
-        return types.SimpleNamespace(used=14 * GIB, total=16 * GIB, free=2 * GIB)
-
-    def nvmlDeviceGetPowerUsage(self, handle):
-        if handle == 1:
-            raise self.NVMLError("Not Supported")
-        return 182_000
-
-    def nvmlDeviceGetEnforcedPowerLimit(self, handle):
-        return 250_000
-
-    def nvmlDeviceGetPcieThroughput(self, handle, counter):
-        return 2048 if counter == self.NVML_PCIE_UTIL_RX_BYTES else 512
-
-    def nvmlDeviceGetTemperature(self, handle, sensor):
-        return 71
-
-    def nvmlShutdown(self):
-        self.shut = True
-
-
-def test_nvml_sampler_converts_units_and_tolerates_refusals():
-    nvml = FakeNvml(2)
-    sampler = NvmlSampler(nvml)
-    first, second = sampler.read()
-    assert first == GpuReading(0, "NVIDIA CMP 100-210", 97.0, 14 * GIB, 16 * GIB, 71, 182.0, 250.0, 2 * 2**20, 2**19)
-    assert second.power is None and second.power_limit == 250.0
-    sampler.close()
-    assert nvml.shut
-
-
-def test_no_gpus_is_said_in_one_line(monkeypatch):
-    assert NvmlSampler(FakeNvml(0)).problem == "no NVIDIA GPU found"
-
-    def fail() -> None:
-        raise FakeNvml.NVMLError("NVML Shared Library Not Found")
-
-    fake = types.ModuleType("pynvml")
-    vars(fake).update(NVMLError=FakeNvml.NVMLError, nvmlInit=fail)
-    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
-    sampler = open_nvml_sampler()
-    assert isinstance(sampler, UnavailableSampler) and sampler.read() == []
-    assert sampler.problem is not None and "\n" not in sampler.problem and "NVML" in sampler.problem
-
-
-def test_monitor_reads_on_its_own_thread_until_stopped():
-    seen: list[list[GpuReading]] = []
-    got = threading.Event()
-
-    def on_readings(readings):
-        seen.append(readings)
-        if len(seen) >= 2:
-            got.set()
-
-    monitor = GpuMonitor(FakeGpuSampler(2), on_readings, interval=0.01)
-    monitor.start()
-    assert got.wait(2)
-    monitor.stop()
-    count = len(seen)
-    assert all(len(r) == 2 for r in seen)
-    threading.Event().wait(0.05)
-    assert len(seen) == count
-
-
-def test_monitor_does_not_start_without_gpus():
-    monitor = GpuMonitor(UnavailableSampler("no NVIDIA driver"), lambda r: pytest.fail("no readings expected"))
-    monitor.start()
-    monitor.stop()
 
 
 def test_summary_for_the_status_bar():
@@ -197,14 +80,3 @@ async def test_eight_gpus_fit_in_80_by_24(make_app):
         lines = plain(panel).splitlines()
         assert len(lines) == 9 and max(len(line) for line in lines) <= 76  # a header, then one line per GPU
         assert panel.region.bottom <= 24
-
-
-@pytest.mark.gpu
-def test_real_nvml_reads_every_gpu():
-    sampler = open_nvml_sampler()
-    assert sampler.problem is None, sampler.problem
-    readings = sampler.read()
-    sampler.close()
-    assert readings and all(r.memory_total and r.memory_total > 0 for r in readings)
-    assert all(r.utilization is not None and 0 <= r.utilization <= 100 for r in readings)
-    assert all(r.temperature is None or 0 < r.temperature < 120 for r in readings)

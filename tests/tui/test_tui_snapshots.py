@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from cmpchat.gpu_readings import FakeGpuSampler
 from cmpchat.model.discovery import FoundModel
 from cmpchat.tui.app import CmpchatApp
-from cmpchat.tui.gpu_sampler import FakeGpuSampler
 from cmpchat.tui.reply_run import ReplyRun
 from cmpchat.tui.settings import AppState, Settings
 from cmpchat.tui.widgets.gpu_panel import GpuPanel

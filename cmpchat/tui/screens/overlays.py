@@ -9,7 +9,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label
 
-from cmpchat.tui.gpu_sampler import GpuReading
+from cmpchat.gpu_readings import GpuReading
 from cmpchat.tui.widgets.chat_list import ChatList, SearchFunction
 from cmpchat.tui.widgets.gpu_panel import GpuPanel
 

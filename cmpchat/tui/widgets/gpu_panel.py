@@ -15,8 +15,8 @@ from textual.content import Content
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from cmpchat.gpu_readings import GpuReading
 from cmpchat.tui.format import gigabytes, megabytes_per_second, sparkline
-from cmpchat.tui.gpu_sampler import GpuReading
 
 HISTORY = 32
 """Utilisation readings kept per GPU for the sparkline."""

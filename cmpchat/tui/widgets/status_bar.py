@@ -6,8 +6,8 @@ from textual.app import RenderResult
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from cmpchat.gpu_readings import GpuReading
 from cmpchat.tui.format import count, rate, short_count
-from cmpchat.tui.gpu_sampler import GpuReading
 from cmpchat.tui.widgets.gpu_panel import summary
 from cmpchat.tui.widgets.speed_panel import SpeedStats
 
