@@ -125,6 +125,11 @@ class CudaBackend(Backend[CudaSequence]):
             self.stages.append(Stage.load(i, info, row, p, model_file, config, layout, first=i == 0,
                                           last=i == last_index, use_graphs=use_graphs, on_upload=uploads))  # fmt: skip
             uploads.finish()
+        if {stage.gpu.index for stage in self.stages} == {0}:
+            # Numba makes GPU 0's context current in any thread that touches CUDA, so a backend on GPU 0 alone
+            # never switches: a switch costs a lock and two driver calls, several times a decode step.
+            for stage in self.stages:
+                stage.switches_device = False
         self.pool = PagePool(self.plans[0].pool_pages, self.plans[0].page_tokens)
         self.context_limit = min(p.context_limit for p in self.plans)
         width = PROMPT_ROWS * config.hidden_size

@@ -49,6 +49,8 @@ class Stage:
     """The long-prompt step's buffers (None: this stage's layers cannot take it; prompts run 16 rows a step)."""
     stream: Any
     use_graphs: bool
+    switches_device: bool = True
+    """Whether `on_device` makes the stage's GPU current (the backend turns it off when every stage is on GPU 0)."""
     decode_steps: dict[tuple[int, bool], StepLaunches] = field(default_factory=dict)
     """(rows bucket, rows are one prompt's tokens) -> the step (its launches hold their attention scratch)"""
     prompt_steps: dict[int, StepLaunches] = field(default_factory=dict)
@@ -73,8 +75,8 @@ class Stage:
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
-        """Make this stage's GPU the current one (no-op under the simulator)."""
-        if SIMULATOR:
+        """Make this stage's GPU the current one (no-op under the simulator, or where it need not switch)."""
+        if SIMULATOR or not self.switches_device:
             yield
             return
         with cuda.gpus[self.gpu.index]:
