@@ -12,6 +12,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from cmpchat.errors import CmpchatError
+from cmpchat.gpu_readings import GpuSampler, open_nvml_sampler
 from cmpchat.server.errors import (
     ApiError,
     UnexpectedErrorMiddleware,
@@ -20,6 +21,7 @@ from cmpchat.server.errors import (
     handle_unexpected,
     handle_user_error,
 )
+from cmpchat.server.gpus import GpuReadings
 from cmpchat.server.guard import ApiKeyMiddleware
 from cmpchat.server.routes import routes
 from cmpchat.server.runtime import ModelLoader, Runtime
@@ -31,9 +33,12 @@ def create_app(
     load: ModelLoader,
     *,
     on_load_failure: Callable[[str], None] | None = None,
+    open_gpu_sampler: Callable[[], GpuSampler] = open_nvml_sampler,
 ) -> Starlette:
-    """The server for the model `load()` returns; it loads in the background once the app starts."""
+    """The server for the model `load()` returns; it loads in the background once the app starts.
+    `open_gpu_sampler` gives the GPU readings' sampler (NVML's; tests give a fake)."""
     runtime = Runtime(settings, load, on_load_failure)
+    gpu_readings = GpuReadings(open_gpu_sampler)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -42,6 +47,7 @@ def create_app(
             yield
         finally:
             await anyio.to_thread.run_sync(runtime.close)
+            await anyio.to_thread.run_sync(gpu_readings.close)
 
     middleware: list[Middleware] = []
     if settings.allowed_origins:
@@ -71,4 +77,5 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.runtime = runtime
+    app.state.gpu_readings = gpu_readings
     return app

@@ -1,6 +1,6 @@
 """The HTTP endpoints: health, models, chat completions, completions, metrics, llama-server's own
-(`llama_endpoints`), OpenAI's Responses API (`openai_responses`) and Anthropic's Messages API
-(`anthropic_messages`)."""
+(`llama_endpoints`), OpenAI's Responses API (`openai_responses`), Anthropic's Messages API
+(`anthropic_messages`) and cmpchat's GPU readings (`gpus`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from cmpchat.api import Model
 from cmpchat.server.anthropic_messages import messages_routes
 from cmpchat.server.errors import error_body
 from cmpchat.server.generation import serve
+from cmpchat.server.gpus import gpu_routes
 from cmpchat.server.guard import read_json
 from cmpchat.server.llama_endpoints import llama_routes
 from cmpchat.server.metrics import CONTENT_TYPE, render_metrics
@@ -110,6 +111,7 @@ def routes() -> list[Route]:
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         *llama_routes(),
+        *gpu_routes(),
         *responses_routes(),
         *messages_routes(),
     ]

@@ -154,6 +154,7 @@ class RequestStream:
             self._slots.take(holder)
         elif isinstance(event, DecodeProgress):
             holder.generated = event.generated_tokens
+            holder.decoding = True
         elif isinstance(event, ContentDelta | ReasoningDelta):
             holder.new_line = holder.new_line or "\n" in event.text
         elif isinstance(event, Finished | Failed):

@@ -1,4 +1,5 @@
-"""Which request holds which of the engine's slots, as the server sees it from the events it reads (for /slots).
+"""Which request holds which of the engine's slots, as the server sees it from the events it reads (for /slots and
+/v1/cmpchat/gpus).
 
 A request takes the lowest free slot when its `Started` event is read and gives it back with its last event, or
 when it is cancelled; one that the engine preempts keeps its row while it waits to resume. Everything here runs on
@@ -20,6 +21,8 @@ class SlotHolder:
     """The engine's id of the request."""
     options: GenerationOptions
     generated: int = 0
+    decoding: bool = False
+    """Whether it has generated a token (before that it is reading its prompt)."""
     new_line: bool = False
     """Whether its text so far has a line break."""
 

@@ -13,6 +13,7 @@ import httpx
 from pydantic import BaseModel
 
 from cmpchat.api import Model
+from cmpchat.gpu_readings import GpuSampler, UnavailableSampler
 from cmpchat.server.app import create_app
 from cmpchat.server.runner import address_of, bind, make_server
 from cmpchat.server.settings import ServerSettings
@@ -45,10 +46,14 @@ def extra(reply: BaseModel) -> dict[str, Any]:
 
 @contextmanager
 def live_server(
-    settings: ServerSettings, load: Callable[[], Model], *, wait_ready: bool = True
+    settings: ServerSettings,
+    load: Callable[[], Model],
+    *,
+    wait_ready: bool = True,
+    open_gpu_sampler: Callable[[], GpuSampler] = lambda: UnavailableSampler("no GPU readings in these tests"),
 ) -> Iterator[LiveServer]:
     failures: list[str] = []
-    app = create_app(settings, load, on_load_failure=failures.append)
+    app = create_app(settings, load, on_load_failure=failures.append, open_gpu_sampler=open_gpu_sampler)
     sock = bind("127.0.0.1", 0)
     server = make_server(app, log_level="warning", access_log=False)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-server", daemon=True)

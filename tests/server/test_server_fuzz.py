@@ -279,6 +279,7 @@ ROUTES = (
     "/health",
     "/v1/health",
     "/metrics",
+    "/v1/cmpchat/gpus",
     "/v1/responses",
     "/responses",
     *ANTHROPIC_ROUTES,
