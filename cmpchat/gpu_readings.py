@@ -48,6 +48,8 @@ class GpuReading:
     pcie_width: int | None = None
     throttle_reasons: tuple[str, ...] | None = None
     """Why the clocks are held down now, as `THROTTLE_REASONS` names them; () when nothing holds them."""
+    uuid: str | None = None
+    """"GPU-…": the card whatever order NVML and CUDA number the cards in."""
 
 
 THROTTLE_REASONS: dict[int, str] = {
@@ -151,6 +153,7 @@ class NvmlSampler:
         self._pid = os.getpid() if pid is None else pid
         self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
         self._names = [_text(self._call(nvml.nvmlDeviceGetName, handle) or "GPU") for handle in self._handles]
+        self._uuids = [self._call(nvml.nvmlDeviceGetUUID, handle) for handle in self._handles]
         if not self._handles:
             self.problem = "no NVIDIA GPU found"
 
@@ -170,6 +173,7 @@ class NvmlSampler:
                 GpuReading(
                     index=index,
                     name=self._names[index],
+                    uuid=None if self._uuids[index] is None else _text(self._uuids[index]),
                     utilization=None if rates is None else float(rates.gpu),
                     memory_used=None if memory is None else int(memory.used),
                     memory_total=None if memory is None else int(memory.total),

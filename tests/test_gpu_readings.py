@@ -63,6 +63,11 @@ class FakeNvml(types.SimpleNamespace):
     def nvmlDeviceGetName(self, handle):
         return b"NVIDIA CMP 100-210"
 
+    def nvmlDeviceGetUUID(self, handle):
+        if handle == 1:
+            raise self.NVMLError("not supported")
+        return b"GPU-5c1f0000-0000-0000-0000-000000000000"
+
     def nvmlDeviceGetUtilizationRates(self, handle):
         return types.SimpleNamespace(gpu=97 - handle, memory=40)
 
@@ -137,8 +142,9 @@ def test_nvml_sampler_converts_units_and_tolerates_refusals():
         pcie_generation=1,
         pcie_width=1,
         throttle_reasons=("sw_power_cap", "hw_thermal"),
+        uuid="GPU-5c1f0000-0000-0000-0000-000000000000",
     )
-    assert second.power is None and second.power_limit == 250.0 and second.fan is None
+    assert second.power is None and second.power_limit == 250.0 and second.fan is None and second.uuid is None
     assert second.throttle_reasons == () and second.pcie_width == 16
     assert second.memory_cmpchat is None  # its process list is refused
     sampler.close()

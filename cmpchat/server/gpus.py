@@ -24,6 +24,7 @@ The response, always 200:
           "pcie_generation": 1, "pcie_width": 1,          # the link now
           "pcie_rx": 2097152.0, "pcie_tx": 524288.0,      # bytes per second into and out of the GPU
           "throttle_reasons": ["sw_power_cap"],           # [] when nothing holds the clocks down
+          "uuid": "GPU-5c1f…",              # the card, however NVML and CUDA number the cards
           "stages": [{"stage": 0, "first_layer": 0, "last_layer": 15}],
           "activity": "decode"
         }
@@ -35,8 +36,9 @@ Every reading is null when the driver does not report it (mining cards refuse se
 (inclusive); it is [] on a GPU the model does not use, and null while the model loads or when the backend has no
 stages (the CPU reference). `activity` is null where `stages` is null or []; otherwise "idle", "prefill",
 "decode" or "prefill+decode": what the engine's requests are doing, as the server reads their events (every stage
-takes part in each engine step, so all of a model's GPUs show the same). NVML's and CUDA's GPU indices agree when
-`CUDA_DEVICE_ORDER=PCI_BUS_ID` is set and `CUDA_VISIBLE_DEVICES` is not.
+takes part in each engine step, so all of a model's GPUs show the same). Stages are matched to readings by the
+cards' uuids (NVML's and CUDA's indices differ under `CUDA_VISIBLE_DEVICES` or without
+`CUDA_DEVICE_ORDER=PCI_BUS_ID`), by index only where a uuid is unknown.
 """
 
 from __future__ import annotations
@@ -111,22 +113,23 @@ def activity(holders: Sequence[SlotHolder | None]) -> str:
     return "+".join(name for name in ("prefill", "decode") if name in work) or "idle"
 
 
-def stages_by_gpu(model: Model | None) -> dict[int, list[dict[str, int]]] | None:
-    """The pipeline stages on each GPU, by CUDA index; None while loading or when the backend has no stages."""
+def stages_by_gpu(model: Model | None) -> dict[int | str, list[dict[str, int]]] | None:
+    """The pipeline stages on each GPU, by its uuid where the backend knows it (NVML and CUDA may number the cards
+    differently), else by CUDA index; None while loading or when the backend has no stages."""
     stages = None if model is None else getattr(model.backend, "stages", None)
     if stages is None:
         return None
-    by_gpu: dict[int, list[dict[str, int]]] = {}
+    by_gpu: dict[int | str, list[dict[str, int]]] = {}
     for stage in stages:
         layers = stage.layers
         entry = {"stage": stage.index, "first_layer": layers.start, "last_layer": layers.stop - 1}
-        by_gpu.setdefault(stage.gpu.index, []).append(entry)
+        by_gpu.setdefault(getattr(stage.gpu, "uuid", "") or stage.gpu.index, []).append(entry)
     return by_gpu
 
 
-def gpu_json(reading: GpuReading, stages: dict[int, list[dict[str, int]]] | None, work: str) -> dict[str, Any]:
+def gpu_json(reading: GpuReading, stages: dict[int | str, list[dict[str, int]]] | None, work: str) -> dict[str, Any]:
     body = asdict(reading)
-    held = None if stages is None else stages.get(reading.index, [])
+    held = None if stages is None else stages.get(reading.uuid or "", stages.get(reading.index, []))
     body["stages"] = held
     body["activity"] = work if held else None
     return body

@@ -72,6 +72,20 @@ def stage(index: int, gpu: int, layers: range) -> types.SimpleNamespace:
     return types.SimpleNamespace(index=index, gpu=types.SimpleNamespace(index=gpu), layers=layers)
 
 
+def test_stages_are_matched_to_readings_by_the_cards_uuid_where_known() -> None:
+    from cmpchat.server.gpus import gpu_json, stages_by_gpu
+
+    # CUDA's GPU 0 is NVML's GPU 1 (CUDA_VISIBLE_DEVICES=1): the uuid, not the index, tells them apart.
+    on_card = types.SimpleNamespace(index=0, uuid="GPU-b", name="CMP")
+    model = types.SimpleNamespace(backend=types.SimpleNamespace(stages=[
+        types.SimpleNamespace(index=0, gpu=on_card, layers=range(0, 4))]))  # fmt: skip
+    stages = stages_by_gpu(model)  # type: ignore[arg-type]
+    nvml_0 = gpu_json(GpuReading(index=0, name="CMP", uuid="GPU-a"), stages, "idle")
+    nvml_1 = gpu_json(GpuReading(index=1, name="CMP", uuid="GPU-b"), stages, "idle")
+    assert nvml_0["stages"] == [] and nvml_0["activity"] is None
+    assert nvml_1["stages"] == [{"stage": 0, "first_layer": 0, "last_layer": 3}] and nvml_1["activity"] == "idle"
+
+
 def gpus(server: LiveServer, headers: dict[str, str] | None = None) -> dict:
     response = httpx.get(server.url + PATH, headers=headers, timeout=30)
     assert response.status_code == 200, response.text
@@ -119,6 +133,7 @@ def test_every_reading_and_the_stages_each_gpu_holds(gpu_server: LiveServer) -> 
         "pcie_rx": 2.0 * 2**20,
         "pcie_tx": 0.5 * 2**20,
         "throttle_reasons": ["sw_power_cap", "hw_thermal"],
+        "uuid": None,
         "stages": [{"stage": 0, "first_layer": 0, "last_layer": 1}, {"stage": 1, "first_layer": 2, "last_layer": 3}],
         "activity": "idle",
     }

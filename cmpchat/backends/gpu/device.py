@@ -17,6 +17,8 @@ class GpuInfo:
     free_bytes: int
     total_bytes: int
     multiprocessors: int
+    uuid: str = ""
+    """"GPU-…", as NVML names the same card (its indices may differ from CUDA's); empty where unknown."""
 
 
 def cuda_gpu_present() -> bool:
@@ -52,7 +54,8 @@ def gpu_info(index: int = 0) -> GpuInfo:
         free, total = cuda.current_context().get_memory_info()
         name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
         sms = int(device.MULTIPROCESSOR_COUNT)
-        return GpuInfo(index, name, tuple(device.compute_capability), int(free), int(total), sms)
+        uuid = str(getattr(device, "uuid", ""))
+        return GpuInfo(index, name, tuple(device.compute_capability), int(free), int(total), sms, uuid)
 
 
 def gpu_count() -> int:
