@@ -59,6 +59,8 @@ class Finished:
     timings: Timings
     token_ids: tuple[int, ...] = ()
     """Every token generated, an end token included (what the texts were decoded from)."""
+    stop_sequence: str | None = None
+    """The stop string that ended the reply (reason "stop"); None when anything else did."""
 
 
 GenerationEvent = PromptProgress | DecodeProgress | ReasoningDelta | ContentDelta | ToolCallEvent | Finished

@@ -126,6 +126,7 @@ class Reply:
             tuple(self.tool_calls),
             timings,
             tuple(self.token_ids),
+            self._stopper.matched if reason == "stop" else None,
         )
         return [*events, finished]
 

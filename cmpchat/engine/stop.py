@@ -12,6 +12,9 @@ class StopStringMatcher:
         self._stops = [s for s in stop_strings if s]
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string that stopped the stream: of those completed at once, the one that starts first, then
+        the first given."""
 
     def feed(self, text: str) -> str:
         """Text that may be shown now; after a match, the text before it and `stopped` is set."""
@@ -20,10 +23,11 @@ class StopStringMatcher:
         if not self._stops:
             return text
         self._held += text
-        hits = [i for i in (self._held.find(s) for s in self._stops) if i >= 0]
+        hits = [(at, order) for order, stop in enumerate(self._stops) if (at := self._held.find(stop)) >= 0]
         if hits:
-            self.stopped = True
-            out, self._held = self._held[: min(hits)], ""
+            at, order = min(hits)
+            self.stopped, self.matched = True, self._stops[order]
+            out, self._held = self._held[:at], ""
             return out
         keep = self._longest_stop_prefix_suffix()
         out = self._held[: len(self._held) - keep]

@@ -49,7 +49,6 @@ from cmpchat.server.responses import Outcome
 from cmpchat.server.runtime import Runtime
 from cmpchat.server.schemas import Body, parse_body
 from cmpchat.server.settings import ServerSettings
-from cmpchat.tokenizer import Tokenizer
 
 _MAX_INT64 = 2**63 - 1
 
@@ -259,27 +258,6 @@ def _refused(block: Body, where: str, place: str) -> ApiError:
     return ApiError(400, f"{where}: a {kind} block cannot stand {place}", param=where)
 
 
-def matched_stop(tokenizer: Tokenizer, finished: Finished, stops: Sequence[str]) -> str | None:
-    """The stop sequence that ended the reply, if one did: the engine's stop rule replayed on its tokens (the first
-    token whose text completes one; of those it completes, the one that starts first, then the first listed)."""
-    stops = [stop for stop in stops if stop]
-    if finished.reason != "stop" or not stops:
-        return None
-    longest = max(len(stop) for stop in stops)
-    decoder = tokenizer.stream_decoder()
-    text = ""
-    for token in finished.token_ids:
-        if token in tokenizer.eos_token_ids:
-            return None
-        piece = decoder.feed(token)
-        start = max(0, len(text) - longest + 1)  # no stop lay whole in the text before this piece
-        text += piece
-        hits = [(at, order) for order, stop in enumerate(stops) if (at := text.find(stop, start)) >= 0]
-        if hits:
-            return stops[min(hits)[1]]
-    return None
-
-
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 """Anthropic's stop reasons for the engine's finish reasons (a cancelled reply is answered as an error)."""
 
@@ -287,11 +265,9 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 class MessageShape:
     """What one reply's message says besides its content, the same in the streamed and the whole form."""
 
-    def __init__(self, model_name: str, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+    def __init__(self, model_name: str) -> None:
         self.id = "msg_" + secrets.token_hex(12)
         self.model = model_name
-        self.tokenizer = tokenizer
-        self.stops = stops
 
     def message(self, content: list[dict[str, Any]], outcome: Outcome) -> dict[str, Any]:
         message: dict[str, Any] = {
@@ -316,7 +292,7 @@ class MessageShape:
         return message
 
     def stop(self, finished: Finished) -> dict[str, Any]:
-        stop = matched_stop(self.tokenizer, finished, self.stops)
+        stop = finished.stop_sequence
         reason = "stop_sequence" if stop is not None else _STOP_REASONS[finished.reason]
         return {"stop_reason": reason, "stop_sequence": stop}
 
@@ -426,7 +402,7 @@ async def messages(request: Request) -> Response:
     body = parse_body(MessagesRequest, await read_json(request, runtime.settings.max_request_bytes))
     # Rendering and tokenizing a long conversation takes a while: keep it off the event loop.
     prepared = await anyio.to_thread.run_sync(prepare_message, body, model, runtime.settings)
-    shape = MessageShape(runtime.model_name, model.tokenizer, prepared.generation.options.stop)
+    shape = MessageShape(runtime.model_name)
     return await serve(
         request,
         runtime,

@@ -26,6 +26,20 @@ def test_earliest_of_several_stop_strings_wins():
     assert run(["one two three"], ["three", "two"]) == ("one ", True)
 
 
+def test_the_matcher_says_which_stop_string_stopped_it():
+    def matched(pieces: list[str], stops: list[str]) -> str | None:
+        matcher = StopStringMatcher(stops)
+        for piece in pieces:
+            matcher.feed(piece)
+        return matcher.matched
+
+    assert matched(["one, two", ". three"], ["three", ". "]) == ". "
+    assert matched(["one, two."], ["two.", "two"]) == "two."  # both start at once: the first given
+    assert matched(["one, two."], ["o.", "wo.", "two."]) == "two."  # completed together: the one starting first
+    assert matched(["one, tw", "o"], ["two", "one, t"]) == "one, t"  # the first completed stops the stream
+    assert matched(["no stop here"], ["END"]) is None
+
+
 @given(st.text(alphabet="abEND ", max_size=40), st.lists(st.integers(0, 40), max_size=6))
 def test_any_split_gives_the_same_result(text, cuts):
     cuts = sorted({c for c in cuts if c <= len(text)})
