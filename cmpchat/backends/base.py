@@ -93,6 +93,20 @@ def host_tokens(inputs: Sequence[TokenInput]) -> list[int]:
     return [item if isinstance(item, int) else item.selection.tokens()[item.row] for item in inputs]
 
 
+@dataclass(frozen=True)
+class StageSummary:
+    """One pipeline stage as front ends see it."""
+
+    index: int
+    gpu_index: int
+    gpu_uuid: str
+    """"GPU-…" where known (NVML numbers cards its own way), else ""."""
+    layers: range
+    handoffs: int
+    """Hand-offs of hidden states from this stage to the next so far (0 for the last)."""
+    handoff_bytes: int
+
+
 class Backend(ABC, Generic[S]):
     """A loaded model that runs prompt and decode steps for sequences of type `S` and selects their tokens."""
 
@@ -182,3 +196,8 @@ class Backend(ABC, Generic[S]):
     def describe(self) -> list[str]:
         """Lines for the user about where the model runs (a GPU backend: the cards and their memory plans)."""
         return []
+
+    def stage_summaries(self) -> list[StageSummary] | None:
+        """Where the layers run, stage by stage, for front ends that show it; None for a backend without
+        pipeline stages (the CPU reference)."""
+        return None

@@ -116,14 +116,14 @@ def activity(holders: Sequence[SlotHolder | None]) -> str:
 def stages_by_gpu(model: Model | None) -> dict[int | str, list[dict[str, int]]] | None:
     """The pipeline stages on each GPU, by its uuid where the backend knows it (NVML and CUDA may number the cards
     differently), else by CUDA index; None while loading or when the backend has no stages."""
-    stages = None if model is None else getattr(model.backend, "stages", None)
+    stages = None if model is None else model.backend.stage_summaries()
     if stages is None:
         return None
     by_gpu: dict[int | str, list[dict[str, int]]] = {}
     for stage in stages:
         layers = stage.layers
         entry = {"stage": stage.index, "first_layer": layers.start, "last_layer": layers.stop - 1}
-        by_gpu.setdefault(getattr(stage.gpu, "uuid", "") or stage.gpu.index, []).append(entry)
+        by_gpu.setdefault(stage.gpu_uuid or stage.gpu_index, []).append(entry)
     return by_gpu
 
 

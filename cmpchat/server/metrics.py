@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cmpchat.backends.base import StageSummary
 from cmpchat.engine.engine import Engine
 from cmpchat.engine.stats import EngineStats
 
@@ -60,6 +62,7 @@ def render_metrics(engine: Engine[Any] | None, *, slots: int) -> str:
         ),  # fmt: skip
         _gauge("kv_pages_free", "free pages of the shared KV cache", free_pages),
         _gauge("kv_pages", "pages of the shared KV cache", total_pages),
+        *_stage_metrics(engine.backend.stage_summaries() if engine is not None else None),
     ]
     lines: list[str] = []
     for metric in metrics:
@@ -67,6 +70,23 @@ def render_metrics(engine: Engine[Any] | None, *, slots: int) -> str:
         lines.append(f"# TYPE {metric.name} {metric.kind}")
         lines.extend(f"{metric.name}{labels} {_number(value)}" for labels, value in metric.samples)
     return "\n".join(lines) + "\n"
+
+
+def _stage_metrics(stages: list[StageSummary] | None) -> list[_Metric]:
+    """Per pipeline stage (labelled by stage and GPU): its layers and what it has handed to the next stage."""
+    if not stages:
+        return []
+
+    def per_stage(name: str, kind: str, help_text: str, value: Callable[[StageSummary], float]) -> _Metric:
+        samples = tuple((f'{{stage="{s.index}",gpu="{s.gpu_index}"}}', float(value(s))) for s in stages)
+        return _Metric(f"cmpchat_stage_{name}", kind, help_text, samples)
+
+    return [
+        per_stage("first_layer", "gauge", "the first layer a pipeline stage runs", lambda s: s.layers.start),
+        per_stage("last_layer", "gauge", "the last layer a pipeline stage runs", lambda s: s.layers.stop - 1),
+        per_stage("handoffs_total", "counter", "hidden states handed to the next stage", lambda s: s.handoffs),
+        per_stage("handoff_bytes_total", "counter", "bytes handed to the next stage", lambda s: s.handoff_bytes),
+    ]
 
 
 def _gauge(name: str, help_text: str, value: float) -> _Metric:

@@ -59,6 +59,7 @@ def test_two_stages_on_one_gpu_give_one_stages_logits_bit_for_bit(two_layer_mode
         assert np.array_equal(want.view(np.uint32), have.view(np.uint32))
     assert expected[2] == got[2]
     assert two.bridges[0].handoffs == 2 and two.bridges[0].bytes == 3 * 4 * two.config.hidden_size
+    assert two.stage_summaries()[0].handoff_bytes == two.bridges[0].bytes
     assert "layers           1-1" in "\n".join(two.describe())
 
 
@@ -127,7 +128,12 @@ def test_a_stage_that_fails_to_load_names_its_gpu_and_layers(two_layer_model, mo
 
 def test_each_stage_reports_its_own_upload(two_layer_model):
     reports: list[tuple[str, int, int]] = []
-    load(two_layer_model, gpus=[0, 0], progress=lambda label, done, total: reports.append((label, done, total)))
+    backend = load(
+        two_layer_model, gpus=[0, 0], progress=lambda label, done, total: reports.append((label, done, total))
+    )
+    summaries = backend.stage_summaries()
+    assert [(s.index, s.gpu_index, s.layers, s.handoffs) for s in summaries] == [(0, 0, range(0, 1), 0),
+                                                                                 (1, 0, range(1, 2), 0)]  # fmt: skip
     labels = list(dict.fromkeys(label for label, _, _ in reports))
     assert labels == [
         "loading weights onto GPU 0 (stage 0, layers 0-0)",

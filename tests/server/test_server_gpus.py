@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cmpchat.backends.base import StageSummary
 from cmpchat.engine.reply import GenerationOptions
 from cmpchat.gpu_readings import GpuReading, UnavailableSampler
 from cmpchat.server.gpus import activity
@@ -67,18 +68,17 @@ class BrokenSampler(FixedSampler):
         raise RuntimeError("GPU has fallen off the bus")
 
 
-def stage(index: int, gpu: int, layers: range) -> types.SimpleNamespace:
-    """What the endpoint reads of a CUDA backend's stage."""
-    return types.SimpleNamespace(index=index, gpu=types.SimpleNamespace(index=gpu), layers=layers)
+def stage(index: int, gpu: int, layers: range, uuid: str = "") -> StageSummary:
+    """A pipeline stage as the GPU backend summarises it."""
+    return StageSummary(index, gpu, uuid, layers, 0, 0)
 
 
 def test_stages_are_matched_to_readings_by_the_cards_uuid_where_known() -> None:
     from cmpchat.server.gpus import gpu_json, stages_by_gpu
 
     # CUDA's GPU 0 is NVML's GPU 1 (CUDA_VISIBLE_DEVICES=1): the uuid, not the index, tells them apart.
-    on_card = types.SimpleNamespace(index=0, uuid="GPU-b", name="CMP")
-    model = types.SimpleNamespace(backend=types.SimpleNamespace(stages=[
-        types.SimpleNamespace(index=0, gpu=on_card, layers=range(0, 4))]))  # fmt: skip
+    summaries = [stage(0, 0, range(0, 4), uuid="GPU-b")]
+    model = types.SimpleNamespace(backend=types.SimpleNamespace(stage_summaries=lambda: summaries))
     stages = stages_by_gpu(model)  # type: ignore[arg-type]
     nvml_0 = gpu_json(GpuReading(index=0, name="CMP", uuid="GPU-a"), stages, "idle")
     nvml_1 = gpu_json(GpuReading(index=1, name="CMP", uuid="GPU-b"), stages, "idle")
@@ -100,7 +100,7 @@ def sampler() -> FixedSampler:
 @pytest.fixture(scope="module")
 def gpu_server(tiny_model_path: Path, sampler: FixedSampler) -> Iterator[LiveServer]:
     model = scripted_model(tiny_model_path, step_delay=0.005)
-    model.backend.stages = [stage(0, 0, range(0, 2)), stage(1, 0, range(2, 4))]  # type: ignore[attr-defined]
+    model.backend.stage_summaries = lambda: [stage(0, 0, range(0, 2)), stage(1, 0, range(2, 4))]  # type: ignore[method-assign]
     settings = ServerSettings(port=0, slots=2, model_name="staged", api_key=API_KEY)
     with live_server(settings, lambda: model, open_gpu_sampler=lambda: sampler) as server:
         yield server
@@ -188,7 +188,7 @@ def test_no_gpu_is_a_problem_not_an_error(tiny_model_path: Path) -> None:
 
 def test_readings_while_the_model_loads_have_no_stages(tiny_model_path: Path) -> None:
     model = scripted_model(tiny_model_path)
-    model.backend.stages = [stage(0, 0, range(0, 4))]  # type: ignore[attr-defined]
+    model.backend.stage_summaries = lambda: [stage(0, 0, range(0, 4))]  # type: ignore[method-assign]
     loaded = threading.Event()
 
     def load():

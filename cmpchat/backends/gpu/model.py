@@ -23,7 +23,16 @@ from typing import Any
 
 import numpy as np
 
-from cmpchat.backends.base import Backend, Chosen, Logits, Progress, Selector, TokenInput, host_tokens
+from cmpchat.backends.base import (
+    Backend,
+    Chosen,
+    Logits,
+    Progress,
+    Selector,
+    StageSummary,
+    TokenInput,
+    host_tokens,
+)
 from cmpchat.backends.gpu.bridge import HostBridge
 from cmpchat.backends.gpu.buffers import ordering_event
 from cmpchat.backends.gpu.device import GpuInfo, gpu_count, gpu_info, stage_budgets
@@ -237,6 +246,13 @@ class CudaBackend(Backend[CudaSequence]):
         the backend cannot run steps afterwards."""
         self.stages = []
         del self._sampler
+
+    def stage_summaries(self) -> list[StageSummary]:
+        sent = [(bridge.handoffs, bridge.bytes) for bridge in self.bridges] + [(0, 0)]
+        return [
+            StageSummary(stage.index, stage.gpu.index, stage.gpu.uuid, stage.layers, *sent[stage.index])
+            for stage in self.stages
+        ]
 
     def describe(self) -> list[str]:
         lines = []
