@@ -1,7 +1,8 @@
 """`cmpchat chat` (and `cmpchat` with no command): the terminal chat app.
 
 The model: `-m FILE`, else the one used last, else a picker of GGUF files found on the machine, else the
-demo model (with a banner saying its replies are random).
+demo model (with a banner saying its replies are random). With `--url`, the model of an OpenAI-compatible
+server instead (`cmpchat serve` on another machine, llama-server, vLLM...); the history stays on this one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def add_app_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("-m", "--model", metavar="MODEL", help="GGUF model file (default: the last one used)")
     source.add_argument("--demo", action="store_true", help="open the demo model (random weights)")
     source.add_argument("--pick", action="store_true", help="choose among the GGUF files found on this machine")
+    source.add_argument(
+        "--url",
+        metavar="URL",
+        help="chat with the model of an OpenAI-compatible server, e.g. http://HOST:8080/v1 (`cmpchat serve`)",
+    )
+    parser.add_argument("--api-key", metavar="KEY", help="with --url: the server's API key (sent as a bearer token)")
+    parser.add_argument(
+        "--model-name", metavar="NAME", help="with --url: the served model to use (default: the first one listed)"
+    )
     parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help="compute backend (default: from config, else auto)"
     )
@@ -41,23 +51,31 @@ def add_app_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here: Textual and the image protocols are only needed when the app opens, and
     # textual_image must query the terminal before Textual takes it over.
-    from cmpchat.gpu_readings import FakeGpuSampler
+    from cmpchat.gpu_readings import FakeGpuSampler, GpuSampler, UnavailableSampler
     from cmpchat.tui.app import CmpchatApp
     from cmpchat.tui.model_request import ModelRequest
+    from cmpchat.tui.remote_model import GPU_READINGS_UNAVAILABLE, RemoteServer
     from cmpchat.tui.settings import load_settings
 
     settings, problems = load_settings()
     if args.backend:
         settings.backend = args.backend
+    if (args.api_key or args.model_name) and not args.url:
+        raise CmpchatError("--api-key and --model-name go with --url (the server to chat with)")
     request: ModelRequest | None = None
-    if args.model:
+    if args.url:
+        request = ModelRequest(server=RemoteServer(args.url.rstrip("/"), args.api_key, args.model_name))
+    elif args.model:
         path = Path(args.model).expanduser()
         if not path.is_file():
             raise CmpchatError(f"{path}: no such file; give the path of a .gguf model file")
         request = ModelRequest(path)
     elif args.demo:
         request = ModelRequest(None)
-    sampler = FakeGpuSampler(args.simulated_gpus) if args.simulated_gpus else None
+    sampler: GpuSampler | None = FakeGpuSampler(args.simulated_gpus) if args.simulated_gpus else None
+    if args.url and sampler is None:
+        # The GPUs are the server's; a sampler of its GPU readings endpoint will take this one's place.
+        sampler = UnavailableSampler(GPU_READINGS_UNAVAILABLE)
     app = CmpchatApp(model_request=request, settings=settings, settings_problems=problems, gpu_sampler=sampler)
     if args.pick:
         app.requested_model = None

@@ -21,7 +21,6 @@ from textual.message import Message
 from textual.reactive import var
 from textual.screen import Screen
 
-from cmpchat.api import Model
 from cmpchat.errors import CmpchatError
 from cmpchat.gpu_readings import GpuMonitor, GpuReading, GpuSampler, open_nvml_sampler
 from cmpchat.history.images import ImageStore
@@ -29,7 +28,8 @@ from cmpchat.history.store import HistoryStore, SearchHit
 from cmpchat.long_lived import freeze_loaded, thaw_before_replacing
 from cmpchat.model.discovery import FoundModel, default_roots, find_models
 from cmpchat.paths import data_dir
-from cmpchat.tui.model_request import ModelOpener, ModelRequest, open_requested
+from cmpchat.tui.model_request import ChatModel, ModelOpener, ModelRequest, open_requested
+from cmpchat.tui.remote_model import RemoteModel
 from cmpchat.tui.screens.chat_screen import ChatScreen
 from cmpchat.tui.screens.help import HelpScreen, binding_rows, pretty_keys
 from cmpchat.tui.screens.model_picker import ModelPickerScreen
@@ -73,7 +73,7 @@ class CmpchatApp(App[None]):
         Binding("f1", "help", "keys", id="app.help", show=False, tooltip="This list of keys"),
     ]
 
-    model: var[Model | None] = var(None)
+    model: var[ChatModel | None] = var(None)
     gpu_readings: var[tuple[GpuReading, ...]] = var(())
     gpu_problem: var[str | None] = var(None)
 
@@ -86,7 +86,7 @@ class CmpchatApp(App[None]):
     @dataclass
     class ModelLoaded(Message):
         request: ModelRequest
-        model: Model
+        model: ChatModel
 
     @dataclass
     class GpuReadings(Message):
@@ -281,6 +281,8 @@ class CmpchatApp(App[None]):
         model = self.model
         if model is None:
             return "no model"
+        if isinstance(model, RemoteModel):
+            return model.name
         return "demo model" if model.is_demo else model.path.name
 
     @property
@@ -288,6 +290,8 @@ class CmpchatApp(App[None]):
         model = self.model
         if model is None:
             return ""
+        if isinstance(model, RemoteModel):
+            return model.server.address
         gpus = len(self.gpu_readings)
         backend = getattr(model.backend, "name", "cpu")
         return f"{gpus} GPU{'s' if gpus != 1 else ''}" if backend not in ("cpu", "reference") and gpus else "CPU"
@@ -359,6 +363,8 @@ class CmpchatApp(App[None]):
     def on_cmpchat_app_model_loaded(self, message: ModelLoaded) -> None:
         self._loaded_request = message.request
         self.model = message.model
+        if isinstance(message.model, RemoteModel):
+            return  # nothing generates in this process, and a server is not the model to open next time
         sys.setswitchinterval(GIL_SWITCH_SECONDS.get(message.model.backend.name, 0.005))
         self.app_state.last_model = message.request.remembered
         self._save_state()
@@ -370,7 +376,8 @@ class CmpchatApp(App[None]):
         if screen is not None:
             screen.loading_failed()
         self.notify(message.error, title=f"Could not open {message.request.label}", severity="error", timeout=10)
-        self.open_model_picker()
+        if message.request.server is None:  # a server that cannot be reached is not helped by a file picker
+            self.open_model_picker()
 
     # -- GPUs -----------------------------------------------------------------------------------
 

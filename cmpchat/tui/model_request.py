@@ -1,24 +1,32 @@
-"""Which model to open, and opening it with progress reports."""
+"""Which model to open (a file, the demo model, or one on a server), and opening it with progress reports."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from cmpchat.api import Model, open_model
+from cmpchat.tui.remote_model import RemoteModel, RemoteServer, connect
+
+ChatModel: TypeAlias = Model | RemoteModel
+"""What the app chats with: a model it runs itself, or one behind an OpenAI-compatible server."""
 
 
 @dataclass(frozen=True, slots=True)
 class ModelRequest:
-    """A model file to open (None: the demo model) and the vision projector found beside it, if any."""
+    """A model file to open (None: the demo model) and the vision projector found beside it, if any; or,
+    with `server`, the model on that server instead."""
 
     path: Path | None = None
     projector: Path | None = None
+    server: RemoteServer | None = None
 
     @property
     def label(self) -> str:
+        if self.server is not None:
+            return self.server.url
         return "the demo model" if self.path is None else self.path.name
 
     @property
@@ -39,15 +47,19 @@ class ModelOpener(Protocol):
 
 def open_requested(
     request: ModelRequest, backend: str, progress: Callable[[str, int, int], None], opener: ModelOpener | None = None
-) -> Model:
+) -> ChatModel:
     """Open the requested model; the projector is not used yet (no vision support in the engine)."""
+    if request.server is not None:
+        return connect(request.server, progress)
     if opener is not None:
         return opener(request.path, backend=backend, progress=progress)
     return open_model(request.path, backend=backend, progress=progress)  # type: ignore[arg-type]
 
 
-def context_limit(model: Model) -> int:
-    """Tokens a conversation may hold."""
+def context_limit(model: ChatModel) -> int:
+    """Tokens a conversation may hold; 0 when a server does not say."""
+    if isinstance(model, RemoteModel):
+        return model.context_length
     return model.backend.context_limit
 
 

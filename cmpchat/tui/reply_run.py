@@ -87,7 +87,7 @@ class ReplyRun:
 
     def final_status(self, update: ReplyUpdate) -> MessageStatus:
         if update.error is not None:
-            return "error"
+            return "interrupted" if update.cut else "error"
         if update.finished is not None and update.finished.reason == "cancelled":
             return "stopped" if self.stopped_by_user else "interrupted"
         return "complete"

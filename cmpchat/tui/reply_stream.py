@@ -23,6 +23,7 @@ from cmpchat.engine.events import (
     ReasoningDelta,
     ToolCallEvent,
 )
+from cmpchat.errors import CmpchatError
 
 
 @dataclass(slots=True)
@@ -38,6 +39,8 @@ class ReplyUpdate:
     """Seconds from the request to the first reply text, once it has come."""
     finished: Finished | None = None
     error: str | None = None
+    cut: bool = False
+    """The error cut off a reply that had begun (`ReplyCut`): what was written is kept, marked interrupted."""
 
     @property
     def done(self) -> bool:
@@ -74,9 +77,10 @@ class ReplyBuffer:
                 pending.finished = event
             self._dirty = True
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, *, cut: bool = False) -> None:
         with self._lock:
             self._pending.error = message
+            self._pending.cut = cut
             self._dirty = True
 
     def drain(self) -> ReplyUpdate | None:
@@ -86,6 +90,10 @@ class ReplyBuffer:
                 return None
             update, self._pending, self._dirty = self._pending, ReplyUpdate(), False
             return update
+
+
+class ReplyCut(CmpchatError):
+    """A reply stopped partway by something outside the app (a server's stream broke off)."""
 
 
 def run_generation(
@@ -98,5 +106,7 @@ def run_generation(
     try:
         for event in events():
             buffer.push(event)
+    except ReplyCut as err:
+        buffer.fail(describe_error(err), cut=True)
     except Exception as err:  # shown to the person; the app keeps running
         buffer.fail(describe_error(err))

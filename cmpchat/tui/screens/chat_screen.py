@@ -22,7 +22,7 @@ from textual.widgets import Footer
 from cmpchat.chat.messages import Message
 from cmpchat.engine.reply import GenerationOptions
 from cmpchat.errors import CmpchatError
-from cmpchat.tui.model_request import context_limit, model_sees_images
+from cmpchat.tui.model_request import ChatModel, context_limit, model_sees_images
 from cmpchat.tui.reply_run import ReplyRun, UpdatePacer
 from cmpchat.tui.reply_stream import ReplyUpdate, run_generation
 from cmpchat.tui.screens import dialog_flows
@@ -39,7 +39,6 @@ from cmpchat.tui.widgets.status_bar import StatusBar
 from cmpchat.tui.widgets.title_bar import DemoBanner, TitleBar
 
 if TYPE_CHECKING:
-    from cmpchat.api import Model
     from cmpchat.tui.app import CmpchatApp
 
 WIDE = 120
@@ -168,7 +167,7 @@ class ChatScreen(Screen[None]):
         if conversation.waiting_for_model:
             conversation.update_waiting(_MODEL_FAILED)
 
-    def _model_changed(self, model: Model | None) -> None:
+    def _model_changed(self, model: ChatModel | None) -> None:
         title = self.query_one(TitleBar)
         if model is not None:
             self.query_one(LoadProgress).stop()
@@ -286,7 +285,7 @@ class ChatScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="reply", exit_on_error=False)
     def _generate(
-        self, model: Model, messages: list[Message], options: GenerationOptions, thinking: bool, run: ReplyRun
+        self, model: ChatModel, messages: list[Message], options: GenerationOptions, thinking: bool, run: ReplyRun
     ) -> None:
         run_generation(
             lambda: model.chat(messages, options, enable_thinking=thinking, cancel=run.cancel),
@@ -512,7 +511,7 @@ class ChatScreen(Screen[None]):
             self._count_tokens(model, self.session.conversation(with_images=model_sees_images(model)))
 
     @work(thread=True, exclusive=True, group="context", exit_on_error=False)
-    def _count_tokens(self, model: Model, messages: list[Message]) -> None:
+    def _count_tokens(self, model: ChatModel, messages: list[Message]) -> None:
         rendered = model.render(messages, enable_thinking=self.thinking)
         used = len(model.tokenize(rendered.text, parse_special=True))
         self.app.call_from_thread(self._context_counted, used)
@@ -521,7 +520,7 @@ class ChatScreen(Screen[None]):
         if not self.generating:
             self.speed = replace(self.speed, context_used=used)
 
-    def app_model(self) -> Model | None:
+    def app_model(self) -> ChatModel | None:
         return self.cmp.model
 
 
