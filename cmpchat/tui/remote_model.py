@@ -132,7 +132,7 @@ class RemoteModel:
             except queue.Empty:
                 line = ""
             if cancel.is_set():
-                yield reading.finished("cancelled")
+                yield from reading.ending("cancelled")
                 return
             if line is None:
                 break
@@ -144,7 +144,7 @@ class RemoteModel:
                 raise line
             yield from reading.feed_line(line)
             if reading.done:
-                yield reading.finished(reading.finish_reason)
+                yield from reading.ending(reading.finish_reason)
                 return
         if reading.has_text:
             raise ReplyCut("the server ended the stream before the reply was finished")
@@ -256,21 +256,28 @@ class StreamReading:
             return 0.0
         return (self.chunks - 1) / (self.last_text - self.first_text)
 
+    def ending(self, reason: FinishReason) -> Iterator[GenerationEvent]:
+        """The last events: text held back while it could have been a tag, the tool calls (as the engine
+        sends them, only for a reply that was not stopped), then `Finished`."""
+        held = self.inline_think.flush()
+        if held:
+            self.content += held
+            yield ContentDelta(held)
+        calls = self.tool_calls() if reason != "cancelled" else ()
+        yield from calls
+        yield Finished(reason, self.content, self.reasoning, calls, self.figures())
+
     def tool_calls(self) -> tuple[ToolCallEvent, ...]:
         events = []
         for _, call in sorted(self.calls.items()):
             try:
                 arguments = json.loads(call["arguments"] or "{}")
             except json.JSONDecodeError:
+                arguments = None
+            if not isinstance(arguments, dict):
                 arguments = {"arguments": call["arguments"]}  # kept as the server sent it, not lost
-            events.append(
-                ToolCallEvent(ToolCall(call["name"], arguments if isinstance(arguments, dict) else {}, call["id"]))
-            )
+            events.append(ToolCallEvent(ToolCall(call["name"], arguments, call["id"])))
         return tuple(events)
-
-    def finished(self, reason: FinishReason) -> Finished:
-        self.content += self.inline_think.flush()
-        return Finished(reason, self.content, self.reasoning, self.tool_calls(), self.figures())
 
     def figures(self) -> Timings:
         """The server's timings, else its usage with the client's clock, else the client's count and clock."""

@@ -9,11 +9,17 @@ import httpx
 import pytest
 
 from cmpchat.chat.messages import Message, ToolCall
-from cmpchat.engine.events import ContentDelta, DecodeProgress, ReasoningDelta
+from cmpchat.engine.events import ContentDelta, DecodeProgress, Finished, ReasoningDelta, ToolCallEvent
 from cmpchat.engine.reply import GenerationOptions
 from cmpchat.sampling import SamplingParams
 from cmpchat.tui.remote_model import InlineThink, StreamReading, chat_body, refusal
 from tests.tui.openai_stub import chunk, usage_chunk
+
+
+def final(reading: StreamReading) -> Finished:
+    *_, finished = reading.ending("stop")
+    assert isinstance(finished, Finished)
+    return finished
 
 
 def feed(reading: StreamReading, *chunks: dict) -> list:
@@ -37,7 +43,7 @@ def test_the_servers_timings_win_over_usage_and_the_clients_clock():
     feed(reading, chunk({"content": "a"}), chunk({"content": "b"}))
     timings = {"prompt_n": 40, "prompt_ms": 200.0, "predicted_n": 12, "predicted_ms": 400.0}
     feed(reading, {**chunk({}, finish="stop"), "timings": timings}, usage_chunk(prompt=41, completion=13))
-    t = reading.finished("stop").timings
+    t = final(reading).timings
     assert (t.prompt_tokens, t.generated_tokens) == (40, 12)
     assert t.prompt_tokens_per_second == pytest.approx(200.0) and t.decode_tokens_per_second == pytest.approx(30.0)
 
@@ -47,7 +53,7 @@ def test_without_timings_usage_counts_and_the_client_times():
     feed(reading, chunk({"content": "a"}))
     reading.first_text, reading.last_text = 1.0, 3.0  # the first and last text came 2 s apart
     feed(reading, usage_chunk(prompt=7, completion=21))
-    t = reading.finished("stop").timings
+    t = final(reading).timings
     assert (t.prompt_tokens, t.generated_tokens, t.time_to_first_token) == (7, 21, 1.0)
     assert t.decode_tokens_per_second == pytest.approx(10.0)  # 20 tokens after the first, in 2 s
 
@@ -61,9 +67,11 @@ def test_tool_calls_are_assembled_from_their_pieces():
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}, finish="tool_calls"),
     )
-    finished = reading.finished(reading.finish_reason)
-    assert finished.reason == "tool_calls"
-    assert [e.call for e in finished.tool_calls] == [ToolCall("weather", {"city": "Oslo"}, "call_1")]
+    *calls, finished = reading.ending(reading.finish_reason)
+    assert calls == [ToolCallEvent(ToolCall("weather", {"city": "Oslo"}, "call_1"))]
+    assert isinstance(finished, Finished) and finished.reason == "tool_calls" and finished.tool_calls == tuple(calls)
+    *_, stopped = reading.ending("cancelled")
+    assert isinstance(stopped, Finished) and stopped.tool_calls == ()
 
 
 def test_only_a_reply_that_opens_with_think_has_reasoning_split_off():
@@ -73,8 +81,9 @@ def test_only_a_reply_that_opens_with_think_has_reasoning_split_off():
     inline = InlineThink()
     assert inline.split("  <thi") == [] and inline.split("nk>a</think") == [ReasoningDelta("a")]
     assert inline.split(">b") == [ContentDelta("b")]
-    held = InlineThink()
-    assert held.split("<th") == [] and held.flush() == "<th"
+    held = StreamReading(started=0.0)
+    assert feed(held, chunk({"content": "<th"})) == []
+    assert list(held.ending("stop"))[0] == ContentDelta("<th")  # a reply that was only the start of a tag
 
 
 def test_the_request_sends_extensions_only_when_they_say_something():

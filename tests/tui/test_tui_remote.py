@@ -23,7 +23,7 @@ from cmpchat.tui.remote_model import GPU_READINGS_UNAVAILABLE, RemoteModel, Remo
 from cmpchat.tui.settings import AppState, Settings
 from cmpchat.tui.widgets.conversation import Conversation
 from cmpchat.tui.widgets.gpu_panel import GpuPanel
-from cmpchat.tui.widgets.messages import ReasoningBlock, ReplyView
+from cmpchat.tui.widgets.messages import ReasoningBlock, ReplyView, ToolCallView
 from cmpchat.tui.widgets.speed_panel import SpeedPanel
 from cmpchat.tui.widgets.title_bar import TitleBar
 from tests.server.conftest import scripted_model
@@ -227,3 +227,23 @@ async def test_esc_stops_at_once_while_the_server_says_nothing(tmp_path):
             await pilot.press("escape")
             await wait_for(pilot, lambda: not screen.generating, timeout=2, what="the reply to stop")
             assert stored(app) == [("user", "complete", "A very long prompt"), ("assistant", "stopped", "")]
+
+
+async def test_a_streamed_tool_call_is_shown_and_stored(tmp_path):
+    call = {"index": 0, "id": "call_7", "type": "function", "function": {"name": "weather", "arguments": ""}}
+    script = StubScript(
+        chunks=[
+            chunk({"content": "Let me look."}),
+            chunk({"tool_calls": [call]}),
+            chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}]}, finish="tool_calls"),
+        ]
+    )
+    with openai_stub(script) as url:
+        app = remote_app(tmp_path, url)
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await ready(pilot)
+            await send(pilot, "Weather in Oslo?")
+            row = screen.query_one(ToolCallView)
+            assert row.title == 'tool call · weather({"city": "Oslo"})'
+            reply = app.history.messages(current_chat(screen).id)[-1]
+            assert reply.tool_calls == [{"name": "weather", "arguments": {"city": "Oslo"}, "id": "call_7"}]
