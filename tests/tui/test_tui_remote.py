@@ -42,12 +42,12 @@ def cmpchat_server(tiny_model_path: Path) -> Iterator[LiveServer]:
         yield server
 
 
-def remote_app(tmp_path: Path, url: str, api_key: str | None = None) -> CmpchatApp:
+def remote_app(tmp_path: Path, url: str, api_key: str | None = None, state: AppState | None = None) -> CmpchatApp:
     """The app as `cmpchat --url URL [--api-key KEY]` builds it, on a private history folder."""
     return CmpchatApp(
         model_request=ModelRequest(server=RemoteServer(url, api_key)),
         settings=Settings(),
-        state=AppState(),
+        state=state or AppState(),
         state_file=tmp_path / "state.json",
         history=HistoryStore(tmp_path / "history.sqlite3"),
         images=ImageStore(tmp_path / "images"),
@@ -213,6 +213,12 @@ async def test_a_stream_cut_mid_reply_keeps_the_text_as_interrupted(tmp_path):
             assert any("broke off" in n for n in notices(app))
             assert stored(app) == [("user", "complete", "Count to ten"), ("assistant", "interrupted", "One, two, ")]
             assert len(screen.query_one(Conversation).children) == 2
+            chat_id = current_chat(screen).id
+        again = remote_app(tmp_path, url, state=AppState(last_chat=chat_id))
+        async with again.run_test(size=(120, 40)) as pilot:
+            screen = await ready(pilot)
+            reply = screen.query_one(ReplyView)
+            assert reply.content == "One, two, " and "the server's stream broke" in plain(reply.stats_line)
 
 
 async def test_esc_stops_at_once_while_the_server_says_nothing(tmp_path):

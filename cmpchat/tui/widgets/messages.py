@@ -21,7 +21,7 @@ from cmpchat.tui.widgets.streamed_markdown import StreamedMarkdown, shared_parse
 
 _STATUS_NOTES: dict[str, str] = {
     "stopped": "stopped",
-    "interrupted": "interrupted (the app ended during this reply)",
+    "interrupted": "interrupted (cut off: the app ended, or the server's stream broke)",
     "streaming": "interrupted (the app ended during this reply)",
     "error": "failed",
 }
