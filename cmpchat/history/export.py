@@ -12,7 +12,7 @@ from cmpchat.history.store import ChatRecord, MessageRecord
 _ROLE_TITLES = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool result"}
 _STATUS_NOTES = {
     "stopped": "stopped by the user",
-    "interrupted": "interrupted: the app ended while this reply was being written",
+    "interrupted": "interrupted: the app ended, or the server's stream broke, while this reply was being written",
     "streaming": "incomplete",
     "error": "generation failed",
 }

@@ -20,7 +20,8 @@ from cmpchat.chat.messages import Role
 
 MessageStatus: TypeAlias = Literal["complete", "streaming", "stopped", "interrupted", "error"]
 """complete: the model ended it; streaming: being written now (or the writer died); stopped: the person
-stopped it; interrupted: the app ended while it streamed; error: generation failed."""
+stopped it; interrupted: the app ended while it streamed, or a server's stream broke (remote mode); error:
+generation failed."""
 
 SCHEMA_VERSION = 2
 """1: the first schema; 2: messages.model (the model that wrote a reply)."""
