@@ -1,6 +1,6 @@
 """The CUDA backend as a pipeline of two stages on one GPU, under Numba's CUDA simulator, against one stage: the
-same logits bit for bit (fp32 on the wire), through a prompt chunk and a decode step fed the id the GPU chose
-(the selection on the last stage writes it into the first stage's token input). The simulator takes tens of
+same logits bit for bit (fp32 on the wire) through a prompt chunk, and the id the GPU chose from them written
+into the first stage's token input (where the next decode step reads it). The simulator takes tens of
 seconds a step, so the model is the tiny one cut to two layers (a Gated DeltaNet layer, then an attention
 layer), one a stage. The GPU tests run longer comparisons at real shapes; the split is tested in
 test_pipeline_plan.py."""
@@ -37,14 +37,19 @@ def load(path, **options) -> CudaBackend:
                        page_tokens=PAGE, **options)  # fmt: skip
 
 
-def prompt_then_chosen(backend: CudaBackend) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def prompt_then_choose(backend: CudaBackend) -> tuple[np.ndarray, list[int]]:
+    """A two-token prompt's logits, and the greedy choice the GPU made from them."""
     sequence = backend.new_sequence()
-    prompt = backend.prefill(sequence, [72, 33])
-    first = backend.to_host(prompt)
-    choice = backend.select(prompt, [Selector(SamplingParams(), [], np.random.default_rng(0))])
-    second = backend.to_host(backend.decode([sequence], [Chosen(choice, 0)]))
+    logits = backend.prefill(sequence, [72, 33])
+    host = backend.to_host(logits)
+    choice = backend.select(logits, [Selector(SamplingParams(), [], np.random.default_rng(0))])
+    chosen = choice.tokens()
+    # The next decode step would read the id from the first stage's token input, where the selection on the
+    # last stage wrote it (both on one GPU), before it reaches the host.
+    fed = backend._chosen_here([Chosen(choice, 0)])
+    assert fed and int(backend.stages[0].buffers.tokens.copy_to_host()[0]) == chosen[0]
     backend.release(sequence)
-    return first, second, choice.tokens()
+    return host, chosen
 
 
 @pytest.mark.slow
@@ -54,11 +59,9 @@ def test_two_stages_on_one_gpu_give_one_stages_logits_bit_for_bit(two_layer_mode
     assert [stage.layers for stage in two.stages] == [range(0, 1), range(1, 2)]
     assert two.stages[0].weights.lm_head is None and two.stages[1].weights.embedding is None
     assert two.pool.total_tokens == one.pool.total_tokens
-    expected, got = prompt_then_chosen(one), prompt_then_chosen(two)
-    for want, have in zip(expected[:2], got[:2], strict=True):
-        assert np.array_equal(want.view(np.uint32), have.view(np.uint32))
-    assert expected[2] == got[2]
-    assert two.bridges[0].handoffs == 2 and two.bridges[0].bytes == 3 * 4 * two.config.hidden_size
+    (expected, expected_choice), (got, got_choice) = prompt_then_choose(one), prompt_then_choose(two)
+    assert np.array_equal(expected.view(np.uint32), got.view(np.uint32)) and expected_choice == got_choice
+    assert two.bridges[0].handoffs == 1 and two.bridges[0].bytes == 2 * 4 * two.config.hidden_size
     assert two.stage_summaries()[0].handoff_bytes == two.bridges[0].bytes
     assert "layers           1-1" in "\n".join(two.describe())
 
