@@ -45,7 +45,7 @@ from cmpchat.server.errors import ApiError, anthropic_error_body
 from cmpchat.server.generation import serve
 from cmpchat.server.guard import read_json
 from cmpchat.server.prepare import PreparedRequest, conversation_request, generation_options
-from cmpchat.server.responses import Outcome
+from cmpchat.server.responses import Outcome, named_sse
 from cmpchat.server.runtime import Runtime
 from cmpchat.server.schemas import Body, parse_body
 from cmpchat.server.settings import ServerSettings
@@ -321,11 +321,6 @@ def _tool_use(call: ToolCall, *, with_input: bool = True) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments if with_input else {}}
 
 
-def _event(kind: str, data: dict[str, Any]) -> str:
-    text = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {text}\n\n"
-
-
 class MessageEventWriter:
     """The named events of one streamed message (the module docstring lists them)."""
 
@@ -335,7 +330,7 @@ class MessageEventWriter:
         self._blocks = BlockSplitter()
 
     def opening(self) -> list[str]:
-        return [_event("message_start", {"message": self.shape.message([], self.outcome)}), _event("ping", {})]
+        return [named_sse("message_start", {"message": self.shape.message([], self.outcome)}), named_sse("ping", {})]
 
     def feed(self, events: Sequence[EngineEvent]) -> list[str]:
         out = [chunk for block in self._blocks.feed(events) for chunk in self._block(block)]
@@ -359,9 +354,9 @@ class MessageEventWriter:
                 started = {"type": "thinking", "thinking": "", "signature": ""}
             else:
                 started = {"type": "text", "text": ""}
-            return [_event("content_block_start", {"index": index, "content_block": started})]
+            return [named_sse("content_block_start", {"index": index, "content_block": started})]
         if isinstance(block, BlockText):
-            return [_event("content_block_delta", {"index": index, "delta": self._delta(block)})]
+            return [named_sse("content_block_delta", {"index": index, "delta": self._delta(block)})]
         return self._closed(block)
 
     def _delta(self, block: BlockText) -> dict[str, Any]:
@@ -374,8 +369,8 @@ class MessageEventWriter:
         if block.kind == "tool_call":
             assert block.call is not None
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block.call.arguments, ensure_ascii=False)}
-            out.append(_event("content_block_delta", {"index": block.index, "delta": delta}))
-        return [*out, _event("content_block_stop", {"index": block.index})]
+            out.append(named_sse("content_block_delta", {"index": block.index, "delta": delta}))
+        return [*out, named_sse("content_block_stop", {"index": block.index})]
 
     def _closing(self) -> list[str]:
         error = self.outcome.error()
@@ -384,12 +379,11 @@ class MessageEventWriter:
         finished = self.outcome.finished
         assert finished is not None
         delta = {"delta": self.shape.stop(finished), "usage": self.shape.usage(self.outcome)}
-        return [_event("message_delta", delta), _event("message_stop", {})]
+        return [named_sse("message_delta", delta), named_sse("message_stop", {})]
 
 
 def _error(status: int, message: str) -> str:
-    body = anthropic_error_body(status, message)
-    return f"event: error\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return named_sse("error", anthropic_error_body(status, message))
 
 
 def _runtime(request: Request) -> Runtime:

@@ -45,7 +45,7 @@ from cmpchat.server.errors import ApiError
 from cmpchat.server.generation import serve
 from cmpchat.server.guard import read_json
 from cmpchat.server.prepare import PreparedRequest, conversation_request, generation_options, tool_call
-from cmpchat.server.responses import Outcome
+from cmpchat.server.responses import Outcome, named_sse
 from cmpchat.server.runtime import Runtime
 from cmpchat.server.schemas import Body, parse_body
 from cmpchat.server.settings import ServerSettings
@@ -374,11 +374,6 @@ def _arguments(call: ToolCall) -> str:
     return json.dumps(call.arguments, ensure_ascii=False)
 
 
-def _event(kind: str, data: dict[str, Any]) -> str:
-    text = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {text}\n\n"
-
-
 class ResponseEventWriter:
     """The typed events of one streamed response (the module docstring lists them)."""
 
@@ -479,7 +474,7 @@ class ResponseEventWriter:
 
     def _send(self, kind: str, **data: Any) -> str:
         self._sequence += 1
-        return _event(kind, {**data, "sequence_number": self._sequence - 1})
+        return named_sse(kind, {**data, "sequence_number": self._sequence - 1})
 
 
 def _runtime(request: Request) -> Runtime:

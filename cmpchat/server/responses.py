@@ -100,6 +100,13 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {text}\n\n"
 
 
+def named_sse(kind: str, data: dict[str, Any]) -> str:
+    """One server-sent event named `kind` whose JSON data carries `"type": kind` first (the Responses and
+    Messages APIs' streams)."""
+    text = json.dumps({"type": kind, **data}, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {text}\n\n"
+
+
 @dataclass(slots=True)
 class ResponseHeader:
     """The fields every body and chunk of one response repeats."""

@@ -129,8 +129,7 @@ class CudaBackend(Backend[CudaSequence]):
                 label = (
                     f"loading weights onto GPU {info.index} (stage {i}, layers {p.layers.start}-{p.layers.stop - 1})"
                 )
-            total = stage_weight_bytes(model_file, config, p.layers, first=i == 0, last=i == last_index)
-            uploads = _UploadProgress(label, total, progress)
+            uploads = _UploadProgress(label, p.weights, progress)  # the plan's weights: what the stage uploads
             self.stages.append(Stage.load(i, info, row, p, model_file, config, layout, first=i == 0,
                                           last=i == last_index, use_graphs=use_graphs, on_upload=uploads))  # fmt: skip
             uploads.finish()
@@ -225,11 +224,8 @@ class CudaBackend(Backend[CudaSequence]):
             first_extra=stage_weight_bytes(model_file, config, range(0), first=True, last=False),
             last_extra=stage_weight_bytes(model_file, config, range(0), first=False, last=True),
         )
-        most = (
-            sequences * pages_per_row * page_tokens
-            if kv_tokens is None
-            else min(kv_tokens, sequences * pages_per_row * page_tokens)
-        )
+        full_contexts = sequences * pages_per_row * page_tokens
+        most = full_contexts if kv_tokens is None else min(kv_tokens, full_contexts)
         found = split_layers(
             costs, budgets, [scratch_bytes(config) + s for s in prompt_scratch], sequences=sequences,
             page_tokens=page_tokens, most_tokens=most, least_tokens=least, counts=split, describe=lambda: config.name,
