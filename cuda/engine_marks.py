@@ -22,8 +22,9 @@ pool   the Python API with gpu_mem 16 GiB, 16 sequences and 1 saved state, conte
        then, with a pool of 20,000 tokens, 16 growing requests (prompts of 300 tokens, 1500 generated, end tokens
        ignored) all complete with preemptions, and each one's greedy tokens are compared with its run alone.
        On the GPU a resumed sequence is re-read by the prompt kernels, so the tokens may part where two
-       candidates are close: where a reply parts from its run alone, the run alone is scored and the parting
-       passes if a top-2 near tie (cmpchat.evaluation.agreement) comes at or before it.
+       candidates are close: where a reply parts from its run alone, that step is read three ways by the
+       backend and the parting passes if the two choices lie within the read paths' rounding
+       (cmpchat.evaluation.agreement).
 app    `Model.chat`, the path the app's reply worker runs (not the app's drawing): a first turn that leaves an
        8K-token conversation (a long user message, a 64-token reply), then a short second message; the second
        turn's time to first token against the time to prefill, on a fresh sequence, only the tokens new in it
@@ -241,7 +242,11 @@ def run_part(part: str, path: Path, budget: float, grace: float, args: argparse.
 
 
 def finish(report: dict, args: argparse.Namespace, *, ok: bool) -> int:
+    """Writes and prints the table; the exit status is 1 when a part failed or, on the GPU, a mark was missed (the
+    marks are the GPU's: on the reference backend at tiny sizes the timings are the interpreter's)."""
     report["marks"] = marks(report)
+    missed = any(row["passed"] is False for row in report["marks"])
+    ok = ok and not (missed and report["backend"] == "cuda")
     report["ok"] = ok
     _write_json(args.results / "engine_marks.json", report)
     print(format_table(report), flush=True)
@@ -298,14 +303,14 @@ def marks(report: dict) -> list[dict]:
         same = grow.get("identical")
         on_gpu = report.get("backend") == "cuda"
         row("pool", "tokens equal to the run alone", grow.get("alone_stopped") if compared is None else f"{same}/{compared}",
-            "to a near tie (GPU)" if on_gpu else "all (reference)",
+            "to rounding (GPU)" if on_gpu else "all (reference)",
             None if compared != count else same == compared if not on_gpu else None)  # fmt: skip
         if grow.get("first_differences"):
             row("pool", "first differing token", grow["first_differences"], "", None)
         if on_gpu and compared:
-            explained = grow.get("explained_by_near_tie") or {}
+            explained = grow.get("explained_by_rounding") or {}
             parted = len(grow.get("first_differences") or {})
-            row("pool", "partings at a top-2 near tie", f"{sum(explained.values())}/{parted}", "all",
+            row("pool", "partings within read-path rounding", f"{sum(explained.values())}/{parted}", "all",
                 None if compared != count or len(explained) != parted else all(explained.values()))  # fmt: skip
     app = parts.get("app", {})
     if app:
@@ -672,6 +677,7 @@ def part_pool(part: Part) -> None:
     from cmpchat.engine.reply import GenerationOptions
     from cmpchat.engine.request import GenerationRequest
     from cmpchat.errors import CmpchatError
+    from cmpchat.evaluation.agreement import parting_is_explained
 
     data, sizes = part.data, part.sizes
     data["gpu_mem"] = POOL_GPU_MEM if part.cuda else None
@@ -801,15 +807,17 @@ def part_pool(part: Part) -> None:
         first = first_difference(batched, item, alone, alone_item, len(request.prompt))
         firsts.append(first)
         identical += first is None
-        if first is not None and alone_item is not None:
-            explained[str(index)] = tie_before(model.backend, request.prompt, alone_item.tokens, first)
+        if first is not None and alone_item is not None and item is not None:
+            explained[str(index)] = parting_is_explained(model.backend, request.prompt,
+                                                         alone_item.tokens[len(request.prompt):],
+                                                         item.tokens[len(request.prompt):], first)  # fmt: skip
         result.update({"compared": len(firsts), "identical": identical,
                        "first_differences": {str(i): f for i, f in enumerate(firsts) if f is not None},
-                       "explained_by_near_tie": explained,
+                       "explained_by_rounding": explained,
                        "compared_by": "token ids" if item is not None else "text (characters)"})  # fmt: skip
         part.save()
     say(f"pool: {identical} of {len(firsts)} equal to their runs alone; first differences "
-        f"{result.get('first_differences')}; parted at a near tie: {explained}")  # fmt: skip
+        f"{result.get('first_differences')}; parted within rounding: {explained}")  # fmt: skip
     engine.stop()
 
 
@@ -858,19 +866,6 @@ def _active_request(engine: Any, handle: Any) -> Any:
         return next(item for item in engine.scheduler.waiting if item.handle is handle)
     except (AttributeError, StopIteration):
         return None
-
-
-def tie_before(backend: Any, prompt: Sequence[int], tokens: Sequence[int], first: int) -> bool:
-    """Whether the run alone (`tokens`: prompt and reply) met a top-2 near tie at or before reply token `first`,
-    where a resumed run may rightly choose otherwise (cmpchat.evaluation.agreement)."""
-    from cmpchat.evaluation.agreement import parting_is_explained
-
-    sequence = backend.new_sequence()
-    try:
-        logits = backend.score(sequence, [*prompt, *tokens[len(prompt) : len(prompt) + first]])
-    finally:
-        backend.release(sequence)
-    return parting_is_explained(logits[len(prompt) - 1 :], first)
 
 
 def first_difference(batched: Collector, item: Any, alone: Collector, alone_item: Any, prompt: int) -> int | None:

@@ -277,7 +277,7 @@ def test_a_fork_shares_pages_and_both_continue_as_fresh_sequences():
 
 def test_requests_preempted_for_kv_pages_on_the_gpu_say_what_they_say_alone():
     """16 requests growing past a small pool: preempted and resumed as needed; each one's greedy tokens equal its
-    run alone up to the first step whose top-2 margin (in the run alone) is within the tolerance."""
+    run alone, or part where the two choices lie within the rounding of the backend's read paths."""
     from cmpchat.engine.engine import Engine
     from cmpchat.engine.events import Finished
     from cmpchat.engine.reply import GenerationOptions
@@ -306,11 +306,10 @@ def test_requests_preempted_for_kv_pages_on_the_gpu_say_what_they_say_alone():
         if together.token_ids == expected.token_ids:
             identical += 1
             continue
-        sequence = gpu.new_sequence()
-        logits = gpu.score(sequence, [*prompt, *expected.token_ids[:-1]])[len(prompt) - 1 :]
-        gpu.release(sequence)
         first_difference = next(i for i, (a, b) in enumerate(zip(together.token_ids, expected.token_ids)) if a != b)
-        assert parting_is_explained(logits, first_difference), f"tokens differ at {first_difference}, no near tie"
+        assert parting_is_explained(gpu, prompt, expected.token_ids, together.token_ids, first_difference), (
+            f"tokens differ at {first_difference}, beyond the read paths' rounding"
+        )
     print(f"{identical} of {len(prompts)} resumed requests generated exactly their tokens alone")
     assert gpu.held_sequences == 0 and gpu.pool.free_pages == gpu.pool.total_pages
 
