@@ -94,13 +94,18 @@ class PrefillRun:
     def pipeline_projection(self, rates: PrefillRates, link: HostLink | None = None) -> PipelineProjection | None:
         """Projected prompt tok/s on one CMP card per stage, against one card running the same code: the
         one-card projection with its long-prompt steps replaced by their pipelined schedule
-        (`pipeline_schedule`), each stage's step projected from its own profile; the tail's steps stay
-        sequential (MAX_ROWS tokens a step), with their hops. None for one stage or without a profile."""
+        (`pipeline_schedule`); the tail's steps stay sequential (MAX_ROWS tokens a step), with their hops.
+        The profiled step is the prompt's last and dearest (its attention reads the whole prompt), so each chunk
+        is given the one-card time spread evenly over the prompt's tokens, divided among the stages as their
+        profiles divide the last step. None for one stage or without a profile."""
         one_card = self.cmp_projection(rates)
         if len(self.stage_families) < 2 or one_card is None:
             return None
         link = link or HostLink()
-        stages = [_cmp_seconds(families, rates) for families in self.stage_families]
+        last_step = [_cmp_seconds(families, rates) for families in self.stage_families]
+        one_card_seconds = self.tokens / one_card
+        chunk_seconds = one_card_seconds * PROMPT_ROWS / self.tokens
+        stages = [chunk_seconds * s / sum(last_step) for s in last_step]
         chunks, tail = divmod(self.tokens, PROMPT_ROWS)
         timed = prefill_seconds(stages, chunks, PROMPT_ROWS * self.hidden_size * 4, link)
         hops = 2 * (len(stages) - 1)
@@ -108,7 +113,7 @@ class PrefillRun:
             hops * link.seconds(min(MAX_ROWS, tail - start) * self.hidden_size * 4)
             for start in range(0, tail, MAX_ROWS)
         )
-        seconds = self.tokens / one_card - chunks * sum(stages) + timed.seconds + tail_hops
+        seconds = one_card_seconds - chunks * chunk_seconds + timed.seconds + tail_hops
         return PipelineProjection(len(stages), self.tokens / seconds, one_card, timed.busy)
 
 

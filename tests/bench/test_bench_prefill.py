@@ -9,6 +9,7 @@ import pytest
 from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS
 from cmpchat.bench.kernel_families import FamilyTime, kernel_family
 from cmpchat.bench.llama_cpp import LlamaResult
+from cmpchat.bench.pipeline_schedule import HostLink, prefill_seconds
 from cmpchat.bench.prefill import CMP_DP4A_PER_SECOND, WARMUP_PROMPTS, PrefillRates, PrefillRun, run_prefill
 from cmpchat.bench.report import format_prefill, prefill_json
 
@@ -68,8 +69,6 @@ def test_every_step_is_warmed_up_then_each_prompt_is_fed_in_calls_and_profiled()
 
 
 def test_the_pipeline_projection_replaces_the_long_steps_by_their_schedule() -> None:
-    from cmpchat.bench.pipeline_schedule import HostLink, prefill_seconds
-
     stage = [FamilyTime("GEMM", 10, 0.03, 0)]
     run = PrefillRun(tokens=4 * PROMPT_ROWS, seconds=0.4, families=stage * 2, stage_families=[stage, stage],
                      hidden_size=64)  # fmt: skip
@@ -78,12 +77,26 @@ def test_the_pipeline_projection_replaces_the_long_steps_by_their_schedule() -> 
     free = HostLink(bytes_per_second=float("inf"), latency=0.0)
     projected = run.pipeline_projection(RATES, free)
     assert projected is not None and projected.one_card_tokens_per_second == one_card
-    per_stage = 0.03 * 16e12 / CMP_DP4A_PER_SECOND
+    # Each chunk gets a quarter of the one-card time (4 chunks, no tail), half of it on each stage.
+    per_stage = run.tokens / one_card / 4 / 2
     long_steps = prefill_seconds([per_stage] * 2, 4, 0, free).seconds  # 5 ticks of one stage's step
     assert long_steps == pytest.approx(5 * per_stage)
-    expected = run.tokens / (run.tokens / one_card - 4 * 2 * per_stage + long_steps)
-    assert projected.tokens_per_second == pytest.approx(expected) and projected.speedup > 1
+    expected = run.tokens / long_steps
+    assert projected.tokens_per_second == pytest.approx(expected) and projected.speedup == pytest.approx(8 / 5)
     assert PrefillRun(1024, 0.4, stage, stage_families=[stage]).pipeline_projection(RATES) is None
+
+
+def test_a_pipeline_never_projects_more_than_one_card_per_stage_however_dear_the_last_step() -> None:
+    """The profiled step is the prompt's last; at 18K tokens it costs twice the prompt's average step (H200,
+    27B, 2026-12-02), and taking it for every chunk once projected 4.7x on three cards."""
+    last = [FamilyTime("GEMM", 10, 0.03, 0), FamilyTime("attention", 4, 0.05, 0)]
+    chunks = 72
+    run = PrefillRun(tokens=chunks * PROMPT_ROWS, seconds=chunks * 0.24 / 2, families=last * 3,
+                     stage_families=[last] * 3, hidden_size=64)  # fmt: skip
+    free = HostLink(bytes_per_second=float("inf"), latency=0.0)
+    projected = run.pipeline_projection(RATES, free)
+    assert projected is not None
+    assert projected.speedup == pytest.approx(3 * chunks / (chunks + 2))  # fill and drain: two ticks
 
 
 def test_gemm_share_and_cmp_projection_follow_the_issue_formula() -> None:
