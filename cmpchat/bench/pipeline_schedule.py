@@ -5,12 +5,16 @@ On one GPU the stages of a pipeline contend for the same SMs and memory, so thei
 what a benchmark sees. What several cards would do is projected instead: each stage's step is timed alone (and
 scaled to the CMP 100-210 as the single-card projections are), then replayed here on one timeline per card.
 
-The order replayed is the backend's (`CudaBackend._prompt_steps`, `HostBridge`): prompt chunks in ticks, stage k
-running chunk t - k at tick t; each stage's stream runs its step, then the copy of its output to host memory
-(device -> host over its own link); once every stage of the tick is queued, the host waits for each output to be
-in host memory and queues its copy to the next card (host -> device over that card's link), behind whatever that
-card's stream holds. Decode is sequential: a token goes through every stage in turn, and between cards the
-chosen id comes back through the host.
+The order replayed is the backend's (`CudaBackend._prompt_steps`, `OverlappedHandOff`): prompt chunks in ticks,
+stage k running chunk t - k at tick t, the stages of a tick in order. Each card has a compute stream and two copy
+streams: a stage's step runs on the compute stream once the host has queued it and its input has arrived; its
+output goes to host memory on its departure stream (device -> host over its own link); the host waits for those
+bytes only when the next stage's turn comes in the tick, then queues their copy to the next card on that card's
+arrival stream (host -> device over its link), where they land while the card still computes its previous
+chunk. (With one copy stream a middle card's arrival would queue behind its departure, which waits for its
+step: every chunk would pay both copies in turn.) Decode is
+sequential: a token goes through every stage in turn, and between cards the chosen id comes back through the
+host.
 """
 
 from __future__ import annotations
@@ -49,18 +53,25 @@ def prefill_seconds(stage_seconds: Sequence[float], chunks: int, hop_bytes: int,
     stages = len(stage_seconds)
     if stages < 1 or chunks < 0:
         raise ValueError("one time per stage, and a count of chunks")
-    free = [0.0] * stages  # when each card's stream has run everything queued on it
+    compute = [0.0] * stages  # when each card's compute stream has run everything queued on it
+    arrivals = [0.0] * stages  # the same for its arrival stream
+    departures = [0.0] * stages  # and its departure stream
     host = 0.0
     hop = link.seconds(hop_bytes)
+    downloaded: dict[tuple[int, int], float] = {}  # (stage, chunk) -> its output is in host memory
     for tick in range(chunks + stages - 1):
-        active = [k for k in range(stages) if 0 <= tick - k < chunks]
-        for k in active:
-            free[k] = max(free[k], host) + stage_seconds[k] + (hop if k + 1 < stages else 0.0)
-        for k in active:
+        for k in range(stages):
+            chunk = tick - k
+            if not 0 <= chunk < chunks:
+                continue
+            arrived = host
+            if k > 0:
+                host = max(host, downloaded.pop((k - 1, chunk)))  # the host waits for the bytes
+                arrivals[k] = arrived = max(arrivals[k], host) + hop
+            compute[k] = max(compute[k], host, arrived) + stage_seconds[k]
             if k + 1 < stages:
-                host = max(host, free[k])  # the output is in host memory
-                free[k + 1] = max(free[k + 1], host) + hop
-    total = max(free) if chunks else 0.0
+                departures[k] = downloaded[k, chunk] = max(departures[k], compute[k]) + hop
+    total = max(compute) if chunks else 0.0
     busy = [chunks * s / total if total else 0.0 for s in stage_seconds]
     return PipelineTime(total, busy)
 

@@ -3,7 +3,7 @@
 For one model file on GPU 0: a prompt of random token ids is fed in calls of `call_tokens` (as the
 generator feeds a chat's prompt, `GenerationOptions.prefill_chunk`), timed from the first call to the GPU
 finishing the last, after warm-up prompts that compile and capture every step the backend uses. Then the
-prompt's last long-prompt step (PROMPT_ROWS tokens, at that prompt's context) is profiled by kernel family,
+prompt's last long-prompt step (the backend's `prompt_rows` tokens, at that prompt's context) is profiled by kernel family,
 which gives the GEMMs' rate against the dp4a peak and a projection for a CMP 100-210 (the prefill issue's):
 
     CMP step time = GEMM time x (this GPU's dp4a/s / 4.3e12) + every other family's time x (read bandwidth / 818 GB/s)
@@ -69,6 +69,8 @@ class PrefillRun:
     stage_families: list[list[FamilyTime]] = field(default_factory=list)
     """The same step stage by stage, each timed alone (one entry per stage of a pipeline)."""
     hidden_size: int = 0
+    prompt_rows: int = PROMPT_ROWS
+    """Tokens per long-prompt step of the backend that ran it."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -104,10 +106,10 @@ class PrefillRun:
         link = link or HostLink()
         last_step = [_cmp_seconds(families, rates) for families in self.stage_families]
         one_card_seconds = self.tokens / one_card
-        chunk_seconds = one_card_seconds * PROMPT_ROWS / self.tokens
+        chunk_seconds = one_card_seconds * self.prompt_rows / self.tokens
         stages = [chunk_seconds * s / sum(last_step) for s in last_step]
-        chunks, tail = divmod(self.tokens, PROMPT_ROWS)
-        timed = prefill_seconds(stages, chunks, PROMPT_ROWS * self.hidden_size * 4, link)
+        chunks, tail = divmod(self.tokens, self.prompt_rows)
+        timed = prefill_seconds(stages, chunks, self.prompt_rows * self.hidden_size * 4, link)
         hops = 2 * (len(stages) - 1)
         tail_hops = sum(
             hops * link.seconds(min(MAX_ROWS, tail - start) * self.hidden_size * 4)
@@ -165,20 +167,20 @@ def run_prefill(
         seconds = time.perf_counter() - started
         families: list[FamilyTime] = []
         stage_families: list[list[FamilyTime]] = []
-        if profile_step is not None and size >= PROMPT_ROWS:
+        if profile_step is not None and size >= backend.prompt_rows:
             profiles = profile_step(sequence)
             stage_families = [family_times(names, times, {}) for names, times in profiles]
             families = family_times(
                 [n for names, _ in profiles for n in names], [t for _, ts in profiles for t in ts], {}
             )
         runs.append(PrefillRun(size, seconds, families, gemm_ops_per_step(backend), stage_families,
-                               backend.config.hidden_size))  # fmt: skip
+                               backend.config.hidden_size, backend.prompt_rows))  # fmt: skip
         backend.release(sequence)
     return runs
 
 
 def gemm_ops_per_step(backend: CudaBackend) -> int:
-    """Ops of a long-prompt step's GEMMs: 2 x PROMPT_ROWS per weight of every layer's matrices."""
+    """Ops of a long-prompt step's GEMMs: 2 x its rows per weight of every layer's matrices."""
     from cmpchat.backends.gpu.weights import AttentionWeights
 
     weights = 0
@@ -187,4 +189,4 @@ def gemm_ops_per_step(backend: CudaBackend) -> int:
         inner = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.projection
         for matrix in (inner, mixer.output, layer.gate_up, layer.down):
             weights += matrix.rows * matrix.cols
-    return 2 * PROMPT_ROWS * weights
+    return 2 * backend.prompt_rows * weights

@@ -1,6 +1,8 @@
 """The CUDA backend as a pipeline of 2 and 3 stages on one GPU against one stage, on real shapes: the same greedy
 tokens and the same logits bit for bit (hidden states cross stages as fp32 through pinned host memory), through
-a long prompt (long-prompt steps and a tail), 64 decode steps fed the ids the GPU chose, and batched decode.
+a long prompt (long-prompt steps and a tail), 64 decode steps fed the ids the GPU chose, and batched decode. The
+one stage runs the pipeline's long-prompt steps (PIPELINE_PROMPT_ROWS tokens; its own default is PROMPT_ROWS,
+whose attention splits its keys otherwise).
 
 Several stages on one GPU run the code several GPUs run: their own streams, memory budgets and host bridges;
 only the devices' indices coincide (so the chosen ids reach the first stage on the device, not through the host).
@@ -16,7 +18,7 @@ import pytest
 
 from cmpchat.backends.base import Chosen, Selector
 from cmpchat.backends.gpu.model import CudaBackend
-from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS
+from cmpchat.backends.gpu.prompt_step import PIPELINE_PROMPT_ROWS, PROMPT_ROWS
 from cmpchat.bench.model_files import bench_model_path
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
@@ -92,19 +94,22 @@ def test_two_and_three_stages_equal_one_stage_bit_for_bit(name: str):
     vocab = ModelConfig.from_model_file(ModelFile(path)).vocab_size
     prompt = rng.integers(0, vocab, 2 * PROMPT_ROWS + 37).tolist()
     prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 300, 17, 64)]
-    one = load(path, 1)
+    one = load(path, 1, prompt_rows=PIPELINE_PROMPT_ROWS)
     expected_logits, expected_tokens = prompt_and_decode(one, prompt)
     expected_batch = batched(one, prompts)
     free(one)
     for stages in (2, 3):
         pipeline = load(path, stages)
         assert len(pipeline.stages) == stages and pipeline.stages[0].prompt is not None
+        assert pipeline.prompt_rows == PIPELINE_PROMPT_ROWS
         logits, tokens = prompt_and_decode(pipeline, prompt)
         assert tokens == expected_tokens, f"{stages} stages: greedy tokens differ"
         assert same_bits(logits, expected_logits), f"{stages} stages: logits differ"
         assert same_bits(batched(pipeline, prompts), expected_batch), f"{stages} stages: batched logits differ"
         layers = [f"{s.layers.start}-{s.layers.stop - 1}" for s in pipeline.stages]
-        print(f"{name}, {stages} stages (layers {' / '.join(layers)}): {pipeline.bridges[0].handoffs} hand-offs")
+        hops = pipeline.bridges[0].handoffs, pipeline.prompt_hops[0].bridge.handoffs
+        assert hops[1] == len(prompt) // PIPELINE_PROMPT_ROWS
+        print(f"{name}, {stages} stages (layers {' / '.join(layers)}): {hops[0]} decode and {hops[1]} prompt hand-offs")
         free(pipeline)
 
 

@@ -74,39 +74,74 @@ def test_a_split_that_does_not_name_every_stage_is_refused(two_layer_model):
 
 
 def test_long_prompts_are_pipelined_stage_k_running_chunk_t_minus_k(tiny_model_path, monkeypatch):
-    """The schedule alone (no kernels run): 4 chunks through 3 stages in 6 ticks; in each tick every stage's
-    chunk is queued and its output taken before any is delivered, so the host never waits for a stage before
-    queuing the others."""
-    from cmpchat.backends.gpu.bridge import HostBridge
-    from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
+    """The schedule alone (no kernels run): 4 chunks of PIPELINE_PROMPT_ROWS through 3 stages in 6 ticks; in each
+    tick, stage by stage, a stage receives its chunk, runs it and sends it on, so a stage's next chunk is queued
+    before the host waits for the chunk it sent."""
+    from cmpchat.backends.gpu.bridge import OverlappedHandOff
+    from cmpchat.backends.gpu.prompt_step import PIPELINE_PROMPT_ROWS, PromptBuffers
     from cmpchat.backends.gpu.stage import Stage
 
     log: list[tuple[str, int, int]] = []
     uploaded: dict[int, int] = {}
     backend = CudaBackend(ModelFile(tiny_model_path), sequences=1, saved_states=0, context=2048, gpus=[0, 0, 0],
                           split=[2, 1, 1])  # fmt: skip
+    rows = backend.prompt_rows
+    prompts = [stage.prompt for stage in backend.stages if stage.prompt is not None]
+    assert rows == PIPELINE_PROMPT_ROWS and [p.rows for p in prompts] == [rows] * 3
+    assert [(p.arrival is None, p.departure is None) for p in prompts] == [(True, False), (False, False), (False, True)]
     stage_of = {id(stage.prompt): stage.index for stage in backend.stages}
-    bridge_of = {id(bridge): index for index, bridge in enumerate(backend.bridges)}
+    hop_of = {id(hop): index for index, hop in enumerate(backend.prompt_hops)}
 
     def upload(self, tokens, positions, pages, stream):
-        uploaded[stage_of[id(self)]] = int(positions[0, 0]) // PROMPT_ROWS
+        uploaded[stage_of[id(self)]] = int(positions[0, 0]) // rows
 
     monkeypatch.setattr(PromptBuffers, "upload", upload)
     monkeypatch.setattr(Stage, "run_prompt", lambda self, slot: log.append(("run", self.index, uploaded[self.index])))
-    monkeypatch.setattr(HostBridge, "take", lambda self, source: log.append(("take", bridge_of[id(self)], -1)))
-    monkeypatch.setattr(HostBridge, "deliver", lambda self, target: log.append(("deliver", bridge_of[id(self)], -1)))
+    monkeypatch.setattr(OverlappedHandOff, "send", lambda self: log.append(("send", hop_of[id(self)], -1)))
+    monkeypatch.setattr(OverlappedHandOff, "receive", lambda self: log.append(("receive", hop_of[id(self)], -1)))
     sequence = backend.new_sequence()
-    backend.prefill(sequence, [i % 200 for i in range(4 * PROMPT_ROWS)])
+    backend.prefill(sequence, [i % 200 for i in range(4 * rows)])
     expected = []
     for tick in range(6):
-        active = [k for k in range(3) if 0 <= tick - k < 4]
-        for k in active:
+        for k in range(3):
+            if not 0 <= tick - k < 4:
+                continue
+            if k > 0:
+                expected.append(("receive", k - 1, -1))
             expected.append(("run", k, tick - k))
             if k < 2:
-                expected.append(("take", k, -1))
-        expected += [("deliver", k, -1) for k in active if k < 2]
+                expected.append(("send", k, -1))
     assert log == expected
-    assert sequence.length == 4 * PROMPT_ROWS and sequence.next_position == 4 * PROMPT_ROWS
+    assert sequence.length == 4 * rows and sequence.next_position == 4 * rows
+
+
+def test_a_pipelined_prompt_hands_each_chunk_on_byte_for_byte(tiny_model_path, monkeypatch):
+    """The hand-offs' data path under the simulator, the steps replaced by one that writes a chunk's number and
+    stage into the hidden states (first stage) or checks what arrived (later stages) and adds its own mark."""
+    from cmpchat.backends.gpu.stage import Stage
+
+    backend = CudaBackend(ModelFile(tiny_model_path), sequences=1, saved_states=0, context=2048, gpus=[0, 0, 0],
+                          split=[2, 1, 1])  # fmt: skip
+    ran: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    arrived: list[tuple[int, int, float]] = []
+
+    def run_prompt(self, slot):
+        hidden = self.prompt.hidden
+        chunk = ran[self.index]
+        if self.index > 0:
+            got = hidden.copy_to_host()
+            arrived.append((self.index, chunk, float(got[0, 0])))
+            assert np.all(got == got[0, 0])
+        hidden.copy_to_device(np.full(hidden.shape, 100 * chunk + self.index, np.float32))
+        ran[self.index] += 1
+
+    monkeypatch.setattr(Stage, "run_prompt", run_prompt)
+    sequence = backend.new_sequence()
+    backend.prefill(sequence, [i % 200 for i in range(3 * backend.prompt_rows)])
+    assert sorted(arrived) == [(k, c, 100 * c + k - 1) for k in (1, 2) for c in range(3)]
+    assert [hop.bridge.handoffs for hop in backend.prompt_hops] == [3, 3]
+    hidden_bytes = 4 * backend.prompt_rows * backend.config.hidden_size
+    assert [s.handoff_bytes for s in backend.stage_summaries()] == [3 * hidden_bytes, 3 * hidden_bytes, 0]
 
 
 def test_a_stage_that_fails_to_load_names_its_gpu_and_layers(two_layer_model, monkeypatch):

@@ -117,18 +117,28 @@ def test_the_long_prompt_step_is_reserved_and_covers_its_buffers(shape_name, sm_
     simulator's tiling)."""
     from dataclasses import fields, is_dataclass
 
-    from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
+    from cmpchat.backends.gpu.prompt_step import PIPELINE_PROMPT_ROWS, PROMPT_ROWS, PromptBuffers
 
     config, weights, largest = config_of(shape_name)
     reserved = PromptBuffers.reserved_bytes(config, SIMULATOR_TUNING, sm_count, PROMPT_ROWS, pages_per_row=32)
     buffers = PromptBuffers.allocate(config, SIMULATOR_TUNING, sm_count, PROMPT_ROWS, pages_per_row=32)
 
-    def nbytes(value) -> int:  # an array, or the chunked Gated DeltaNet's workspace of arrays
+    def nbytes(value) -> int:  # an array, the chunked Gated DeltaNet's workspace of arrays, or a staging buffer
+        if value is None:  # that a stage at the pipeline's end (or alone) does not have
+            return 0
         return sum(nbytes(getattr(value, f.name)) for f in fields(value)) if is_dataclass(value) else value.nbytes
 
-    allocated = sum(nbytes(getattr(buffers, f.name)) for f in fields(buffers) if f.name not in NOT_ALLOCATED)
-    assert buffers.gdn_workspace is not None
-    assert allocated == reserved < 0.06 * weights
+    def allocated(buffers: PromptBuffers) -> int:
+        return sum(nbytes(getattr(buffers, f.name)) for f in fields(buffers) if f.name not in NOT_ALLOCATED)
+
+    assert buffers.gdn_workspace is not None and buffers.arrival is None and buffers.departure is None
+    assert allocated(buffers) == reserved < 0.06 * weights
+    # A pipeline's middle stage: smaller steps, and staging for the hand-offs from the stage before and to the next.
+    staged = PromptBuffers.allocate(config, SIMULATOR_TUNING, sm_count, PIPELINE_PROMPT_ROWS, 32, receives=True,
+                                    sends=True)  # fmt: skip
+    assert staged.arrival is not None and staged.arrival.shape == (PIPELINE_PROMPT_ROWS, config.hidden_size)
+    assert allocated(staged) == PromptBuffers.reserved_bytes(config, SIMULATOR_TUNING, sm_count, PIPELINE_PROMPT_ROWS,
+                                                             32, receives=True, sends=True)  # fmt: skip
     plain = plan(config, weights, largest, 2 * weights, context=8192)
     with_prompts = plan(config, weights, largest, 2 * weights, context=8192, prompt_scratch=reserved)
     assert with_prompts.scratch == plain.scratch + reserved
@@ -157,6 +167,7 @@ def test_the_gpu_rows_long_prompt_step_is_reserved_as_allocated(shape_name, row,
         PROMPT_ROWS, config.num_heads, config.num_kv_heads, sm_count
     )
     arrays = [getattr(buffers, f.name) for f in fields(buffers) if f.name not in NOT_ALLOCATED | {"gdn_workspace"}]
+    arrays = [a for a in arrays if a is not None]  # no staging buffers: one stage
     workspace = buffers.gdn_workspace
     assert workspace is not None
     allocated = sum(a.nbytes for a in arrays) + sum(getattr(workspace, f.name).nbytes for f in fields(workspace))

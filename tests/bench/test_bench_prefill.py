@@ -23,6 +23,7 @@ class RecordingBackend:
     def __init__(self) -> None:
         self.config = SimpleNamespace(vocab_size=100, hidden_size=64)
         self.stages = [SimpleNamespace(weights=SimpleNamespace(layers={}))]
+        self.prompt_rows = PROMPT_ROWS
         self.calls: list[tuple[int, int]] = []
         self.released: list[int] = []
         self._next = 0

@@ -22,14 +22,28 @@ def test_equal_stages_with_free_links_fill_then_stream_one_chunk_a_stage_time():
     assert timed.busy == [pytest.approx(10 / 12)] * 3
 
 
-def test_each_hop_costs_the_copy_out_and_the_copy_in_on_the_streams_that_run_them():
+def test_a_hop_costs_its_copies_once_on_the_way_in_and_overlaps_the_next_chunk():
     # Two stages of t, a hop of h each way (worked by hand in the order the backend issues them):
-    # tick 0: s0 runs c0 and copies out (t + h); the host waits, s1 copies in (t + 2h);
-    # tick 1: s0 runs c1 and copies out (2t + 2h); s1 runs c0 (2t + 2h); s1 copies c1 in (2t + 3h);
-    # tick 2: s1 runs c1 (3t + 3h).
+    # tick 0: s0 runs c0 (0 to t), its copy stream copies it out (t to t + h);
+    # tick 1: s0 runs c1 (t to 2t) and copies it out (2t to 2t + h); the host waits for c0 (t + h), s1's copy
+    #         stream copies it in (t + h to t + 2h), s1 runs c0 (t + 2h to 2t + 2h);
+    # tick 2: the host waits for c1 (2t + h), s1 copies it in while it runs c0 (to 2t + 2h), then runs c1
+    #         (2t + 2h to 3t + 2h).
     t, link = 1.0, HostLink(bytes_per_second=1e6, latency=0.0)
     h = link.seconds(100_000)
-    assert prefill_seconds([t, t], 2, 100_000, link).seconds == pytest.approx(3 * t + 3 * h)
+    assert prefill_seconds([t, t], 2, 100_000, link).seconds == pytest.approx(3 * t + 2 * h)
+
+
+def test_copies_on_their_own_streams_let_every_card_run_a_step_a_chunk():
+    # Three stages of t = 4h: arrivals and departures on their own streams overlap the steps, so the cards pace
+    # at one step a chunk and each hop adds its two copies to the fill once. (At t = h the host, waiting for
+    # each hop's bytes in turn, would set the pace instead: one thread queues every card's work.)
+    link = HostLink(bytes_per_second=1e6, latency=0.0)
+    h = link.seconds(1_000_000)
+    t = 4 * h
+    timed = prefill_seconds([t, t, t], 30, 1_000_000, link)
+    assert timed.seconds == pytest.approx(30 * t + 2 * (t + 2 * h))
+    assert prefill_seconds([h, h, h], 30, 1_000_000, link).seconds > 1.5 * 30 * h
 
 
 def test_the_slowest_stage_sets_the_pace():

@@ -2,12 +2,13 @@
 
 A stage (`stage.py`) is one GPU running a contiguous range of layers (`pipeline_plan.py` chooses the ranges); a
 GPU may hold several. The embedding runs on the first stage, the final norm, LM head and token selection on the
-last; hidden states cross from stage to stage through pinned host memory (`bridge.py`, in `_hand_off`).
+last; hidden states cross from stage to stage through pinned host memory (`bridge.py`: `_hand_off` for decode
+steps, an overlapped hand-off per hop for a pipelined prompt's chunks).
 
 Sequences draw KV pages from one pool (`kv_pool`, shared by all of them; a fork shares its pages) and each holds
 one recurrent-state slot. A decode step allocates nothing: its inputs (tokens, positions, state slots and page
 tables) are uploaded into fixed buffers, so it is captured once per batch-size bucket (1, 2, 4, 8, 16 rows). A
-prompt runs in steps of PROMPT_ROWS of its tokens (`prompt_step`: DP4A GEMMs, the chunked Gated DeltaNet,
+prompt runs in steps of `prompt_rows` of its tokens (`prompt_step`: DP4A GEMMs, the chunked Gated DeltaNet,
 FlashAttention-style prefill attention; captured once per state slot) and its tail through the decode step in
 chunks of up to 16 tokens as the rows. Logits stay on the GPU unless asked for; tokens are chosen there
 (`sampler`) and a decode step reads the ids the last selection wrote into its token input, before they reach
@@ -33,7 +34,7 @@ from cmpchat.backends.base import (
     TokenInput,
     host_tokens,
 )
-from cmpchat.backends.gpu.bridge import HostBridge
+from cmpchat.backends.gpu.bridge import HandOffSide, HostBridge, OverlappedHandOff
 from cmpchat.backends.gpu.buffers import ordering_event
 from cmpchat.backends.gpu.device import GpuInfo, gpu_count, gpu_info, stage_budgets
 from cmpchat.backends.gpu.kv_layout import FP16, KvLayout
@@ -47,7 +48,8 @@ from cmpchat.backends.gpu.memory_plan import (
     scratch_bytes,
 )
 from cmpchat.backends.gpu.pipeline_plan import LayerCosts, split_layers
-from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers
+from cmpchat.backends.gpu.prompt_step import PromptBuffers
+from cmpchat.backends.gpu.prompt_step import prompt_rows as default_prompt_rows
 from cmpchat.backends.gpu.sampler import GpuChoice, GpuSampler
 from cmpchat.backends.gpu.stage import Stage
 from cmpchat.backends.gpu.step import MAX_ROWS, StepBuffers
@@ -100,13 +102,15 @@ class CudaBackend(Backend[CudaSequence]):
         use_graphs: bool = True,
         layout: KvLayout = FP16,
         page_tokens: int | None = None,
+        prompt_rows: int | None = None,
         progress: Progress | None = None,
         tuning: DeviceTuning | None = None,
     ) -> None:
         """`gpus`: the GPU of each pipeline stage, repeats allowed (`[0, 0, 0]`: three stages on GPU 0); default,
         the fewest GPUs, in index order, that hold the model and the asked context. `split`: layers per stage
         (default: the split with the largest KV pool, then the most even weights). `gpu_mem`: bytes each stage
-        may use, one value or one per stage. `tuning`: the launch choices every stage runs
+        may use, one value or one per stage. `prompt_rows`: tokens per long-prompt step (default
+        `prompt_step.prompt_rows`: fewer in a pipeline; tests give one stage a pipeline's to compare them). `tuning`: the launch choices every stage runs
         (`kernels/device_table.py`); default, each GPU's own row (`default_tuning`: the one CMPCHAT_TUNING names,
         if set)."""
         self.config = config = config or ModelConfig.from_model_file(model_file)
@@ -115,12 +119,14 @@ class CudaBackend(Backend[CudaSequence]):
         self.max_sequences = min(sequences + saved_states, MAX_SEQUENCES)
         options: dict[str, Any] = dict(
             sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem, layout=layout,
-            page_tokens=page_tokens, split=split,
+            page_tokens=page_tokens, split=split, prompt_rows=prompt_rows,
         )  # fmt: skip
         infos, self.plans = choose_stages(model_file, config, gpus, tuning, context, options)
         tunings = [tuning or default_tuning(info) for info in infos]
         self.gpu, self.tuning = infos[0], tunings[0]
         last_index = len(self.plans) - 1
+        self.prompt_rows = prompt_rows or default_prompt_rows(len(self.plans))
+        """Tokens per long-prompt step (fewer in a pipeline: `prompt_step.PIPELINE_PROMPT_ROWS`)."""
 
         self.stages = []
         for i, (info, row, p) in enumerate(zip(infos, tunings, self.plans, strict=True)):
@@ -131,7 +137,8 @@ class CudaBackend(Backend[CudaSequence]):
                 )
             uploads = _UploadProgress(label, p.weights, progress)  # the plan's weights: what the stage uploads
             self.stages.append(Stage.load(i, info, row, p, model_file, config, layout, first=i == 0,
-                                          last=i == last_index, use_graphs=use_graphs, on_upload=uploads))  # fmt: skip
+                                          last=i == last_index, prompt_rows=self.prompt_rows, use_graphs=use_graphs,
+                                          on_upload=uploads))  # fmt: skip
             uploads.finish()
         if {stage.gpu.index for stage in self.stages} == {0}:
             # Numba makes GPU 0's context current in any thread that touches CUDA, so a backend on GPU 0 alone
@@ -140,11 +147,24 @@ class CudaBackend(Backend[CudaSequence]):
                 stage.switches_device = False
         self.pool = PagePool(self.plans[0].pool_pages, self.plans[0].page_tokens)
         self.context_limit = min(p.context_limit for p in self.plans)
-        width = PROMPT_ROWS * config.hidden_size
+        hops = list(zip(self.stages, self.stages[1:], strict=False))
         self.bridges = [
-            HostBridge((stage.on_device, stage.stream), (after.on_device, after.stream), width)
-            for stage, after in zip(self.stages, self.stages[1:], strict=False)
+            HostBridge((stage.on_device, stage.stream), (after.on_device, after.stream), MAX_ROWS * config.hidden_size)
+            for stage, after in hops
         ]
+        self.prompt_hops = [
+            OverlappedHandOff(
+                HandOffSide(
+                    stage.on_device, stage.stream, stage.departure_stream, stage.prompt.hidden, stage.prompt.departure
+                ),
+                HandOffSide(
+                    after.on_device, after.stream, after.arrival_stream, after.prompt.hidden, after.prompt.arrival
+                ),
+            )
+            for stage, after in hops
+            if stage.prompt is not None and after.prompt is not None
+        ]
+        """Each hop's hand-offs of a pipelined prompt's chunks (none where a stage has no long-prompt step)."""
         first, last = self.stages[0], self.stages[-1]
         self._ids_on_device = first.gpu.index == last.gpu.index
         """Whether the selection writes the chosen ids into the first stage's token input (same GPU; across
@@ -171,6 +191,7 @@ class CudaBackend(Backend[CudaSequence]):
         gpu_mem: int | Sequence[int | None] | None = None,
         layout: KvLayout = FP16,
         page_tokens: int | None = None,
+        prompt_rows: int | None = None,
     ) -> list[StagePlan]:
         """What loading would allocate on each stage's GPU (`gpus`, default GPU 0 alone) for `sequences` sequence
         states (running and saved): its layers' weights and states, its step buffers and its share of a KV pool
@@ -183,11 +204,14 @@ class CudaBackend(Backend[CudaSequence]):
         page_tokens = _page_tokens(config, page_tokens or PAGE_TOKENS, rows)
         model_context = min(context or config.context_length, config.context_length)
         pages_per_row = -(-model_context // page_tokens)
+        last = len(infos) - 1
+        rows_per_step = prompt_rows or default_prompt_rows(len(infos))
         prompt_scratch = [
-            PromptBuffers.reserved_bytes(config, row, info.multiprocessors, PROMPT_ROWS, pages_per_row)
+            PromptBuffers.reserved_bytes(config, row, info.multiprocessors, rows_per_step, pages_per_row,
+                                         receives=i > 0, sends=i < last)
             + StepBuffers.page_table_bytes(pages_per_row)
-            for info, row in zip(infos, rows, strict=True)
-        ]
+            for i, (info, row) in enumerate(zip(infos, rows, strict=True))
+        ]  # fmt: skip
         budgets = stage_budgets(infos, gpu_mem)
         largest = max(t.n_bytes for t in model_file.tensors.values())
         every = range(config.num_layers)
@@ -245,6 +269,9 @@ class CudaBackend(Backend[CudaSequence]):
 
     def stage_summaries(self) -> list[StageSummary]:
         sent = [(bridge.handoffs, bridge.bytes) for bridge in self.bridges] + [(0, 0)]
+        for index, hop in enumerate(self.prompt_hops):
+            handoffs, nbytes = sent[index]
+            sent[index] = (handoffs + hop.bridge.handoffs, nbytes + hop.bridge.bytes)
         return [
             StageSummary(stage.index, stage.gpu.index, stage.gpu.uuid, stage.layers, *sent[stage.index])
             for stage in self.stages
@@ -353,7 +380,7 @@ class CudaBackend(Backend[CudaSequence]):
         every_row: bool,
         take: Callable[[CudaLogits], None] | None = None,
     ) -> list[CudaLogits]:
-        """Feed `tokens` into `sequence`: long-prompt steps while PROMPT_ROWS remain (unless `every_row` wants
+        """Feed `tokens` into `sequence`: long-prompt steps while `prompt_rows` remain (unless `every_row` wants
         every row's logits), then 16-row chunks; the logits of the long steps' last row, then of each chunk
         (every row, or the last row). A chunk's logits lie in a buffer the next step overwrites: `take` gets
         them before it runs."""
@@ -378,8 +405,8 @@ class CudaBackend(Backend[CudaSequence]):
         out: list[CudaLogits] = []
         done = 0
         long_steps = not every_row and all(stage.prompt is not None for stage in self.stages)
-        if long_steps and len(tokens) >= PROMPT_ROWS:
-            done = len(tokens) // PROMPT_ROWS * PROMPT_ROWS
+        if long_steps and len(tokens) >= self.prompt_rows:
+            done = len(tokens) // self.prompt_rows * self.prompt_rows
             out.append(self._prompt_steps(sequence, ids[:done], None if positions is None else positions[:done]))
         for start in range(done, len(tokens), MAX_ROWS):
             chunk = [int(t) for t in ids[start : start + MAX_ROWS]]
@@ -511,37 +538,38 @@ class CudaBackend(Backend[CudaSequence]):
             self._fed = None
 
     def _prompt_steps(self, sequence: CudaSequence, ids: np.ndarray, positions: np.ndarray | None) -> CudaLogits:
-        """Long-prompt steps of PROMPT_ROWS tokens each (room in the context checked by the caller), pipelined over
-        the stages: at tick t stage k runs chunk t - k, so with S stages up to S chunks are in flight. Every stage
-        of a tick is queued before any hands its output on (`HostBridge.take`, then `deliver`), so the host's
-        waits for the hand-offs never hold back a stage's next chunk. The logits are the last chunk's last row."""
+        """Long-prompt steps of `prompt_rows` tokens each (room in the context checked by the caller), pipelined
+        over the stages: at tick t stage k runs chunk t - k, so with S stages up to S chunks are in flight. Each
+        stage's chunk is received, queued and sent on in stage order (`OverlappedHandOff`): the host waits for a
+        chunk's bytes only after the stage that sent them has its next chunk queued, so no stage's stream runs dry
+        while the host waits, and the copies run beside the steps. The logits are the last chunk's last row."""
         chunks = []
-        offsets = np.arange(PROMPT_ROWS)
-        for start in range(0, len(ids), PROMPT_ROWS):
-            rows = np.empty((PROMPT_ROWS, 4), np.int64)
+        size = self.prompt_rows
+        offsets = np.arange(size)
+        for start in range(0, len(ids), size):
+            rows = np.empty((size, 4), np.int64)
             rows[:, 0] = sequence.length + offsets
             if positions is None:
                 rows[:, 1:] = (sequence.next_position + offsets)[:, None]
             else:
-                rows[:, 1:] = np.asarray(positions[start : start + PROMPT_ROWS])
-            self._grow(sequence, PROMPT_ROWS)
+                rows[:, 1:] = np.asarray(positions[start : start + size])
+            self._grow(sequence, size)
             sequence.next_position = int(rows[-1, 1:].max()) + 1
-            chunks.append((ids[start : start + PROMPT_ROWS], rows, list(sequence.pages.pages)))
+            chunks.append((ids[start : start + size], rows, list(sequence.pages.pages)))
         stages = self.stages
         for tick in range(len(chunks) + len(stages) - 1):
-            active = [stage for stage in stages if 0 <= tick - stage.index < len(chunks)]
-            for stage in active:
+            for stage in stages:
+                if not 0 <= tick - stage.index < len(chunks):
+                    continue
                 chunk, rows, pages = chunks[tick - stage.index]
                 assert stage.prompt is not None
                 with stage.on_device():
+                    if stage.index > 0:
+                        self.prompt_hops[stage.index - 1].receive()
                     stage.prompt.upload(chunk, rows, pages, stage.stream)
                     stage.run_prompt(sequence.slot)
-                if stage.index + 1 < len(stages):
-                    self.bridges[stage.index].take(stage.prompt.hidden)
-            for stage in active:
-                after = stages[stage.index + 1].prompt if stage.index + 1 < len(stages) else None
-                if after is not None:
-                    self.bridges[stage.index].deliver(after.hidden)
+                    if stage.index + 1 < len(stages):
+                        self.prompt_hops[stage.index].send()
         last = stages[-1].prompt
         assert last is not None
         return CudaLogits(last.logits, 1)

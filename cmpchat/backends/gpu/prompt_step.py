@@ -1,7 +1,8 @@
-"""A long prompt's step: PROMPT_ROWS consecutive tokens of one sequence through the whole model at once.
+"""A long prompt's step: consecutive tokens of one sequence (PROMPT_ROWS, or PIPELINE_PROMPT_ROWS in a pipeline)
+through the whole model at once.
 
 Where a decode step reads every weight once per token (or per 16 tokens of a short prompt chunk), this
-step reads it once per PROMPT_ROWS tokens, so its matmuls are the DP4A GEMM (`gemm.py`), dp4a-bound on a
+step reads it once per step's tokens, so its matmuls are the DP4A GEMM (`gemm.py`), dp4a-bound on a
 CMP rather than bandwidth-bound. Layer by layer, as `step.decode_launches`:
 
     x = embed(tokens)                                                     [rows, d]
@@ -48,8 +49,17 @@ from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
 from cmpchat.model.config import ModelConfig
 
 PROMPT_ROWS = 256
-"""Tokens per long-prompt step: well into the GEMM's dp4a-bound regime (from ~64 tokens on a CMP), while
-the activations stay small (~90 MB at 27B) and a prompt's tail below it takes the 16-row step."""
+"""Tokens per long-prompt step of one stage: well into the GEMM's dp4a-bound regime (from ~64 tokens on a CMP),
+while the activations stay small (~90 MB at 27B) and a prompt's tail below it takes the 16-row step."""
+
+PIPELINE_PROMPT_ROWS = 128
+"""Tokens per long-prompt step of a pipeline of several stages: half the chunk halves the pipeline's fill and
+drain and each hop's copies, and the GEMM stays dp4a-bound on a CMP (docs/performance.md, Multi-GPU pipeline)."""
+
+
+def prompt_rows(stages: int) -> int:
+    """Tokens per long-prompt step of a pipeline of `stages` stages."""
+    return PROMPT_ROWS if stages == 1 else PIPELINE_PROMPT_ROWS
 
 
 def prompt_step_supported(config: ModelConfig, weights: StageWeights) -> str | None:
@@ -91,6 +101,8 @@ class PromptBuffers:
     partial_acc: Any  # fp32 [rows, H, splits, hd]: prefill attention's per-split partials
     partial_ml: Any  # fp32 [rows, H, splits, 2]
     logits: Any  # fp32 [1, V]: the last row's
+    arrival: Any  # fp32 [rows, d] or None: where a pipeline's previous stage's hidden states land
+    departure: Any  # fp32 [rows, d] or None: where they leave for the next stage from
     inv_freq: Any
     freq_axis: Any
     gdn_workspace: ChunkWorkspace | None  # the chunked Gated DeltaNet's, shared by the layers (None: no GDN)
@@ -104,9 +116,19 @@ class PromptBuffers:
 
     @classmethod
     def layout(
-        cls, config: ModelConfig, tuning: DeviceTuning, sm_count: int, rows: int, pages_per_row: int = 1
+        cls,
+        config: ModelConfig,
+        tuning: DeviceTuning,
+        sm_count: int,
+        rows: int,
+        pages_per_row: int = 1,
+        *,
+        receives: bool = False,
+        sends: bool = False,
     ) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """Shape and dtype of every buffer the step allocates (the rows' inputs as one int32 array)."""
+        """Shape and dtype of every buffer the step allocates (the rows' inputs as one int32 array); `receives`
+        and `sends`: a pipeline stage's staging buffers for the hand-offs from the stage before and to the next
+        (`bridge.OverlappedHandOff`)."""
         d = config.hidden_size
         widest = max(
             2 * (config.num_heads + config.num_kv_heads) * config.head_dim,
@@ -116,7 +138,9 @@ class PromptBuffers:
         attention = cls.attention_config(config, tuning, sm_count, rows)
         acc_shape, ml_shape = partial_buffer_shapes(rows, config.num_heads, config.head_dim, attention)
         f32, u32 = np.float32, np.uint32
+        staging = {"arrival": receives, "departure": sends}
         return {
+            **{name: ((rows, d), f32) for name, wanted in staging.items() if wanted},
             "inputs": ((5 * rows,), np.int32),
             "page_table": ((rows, pages_per_row), np.int32),
             "hidden": ((rows, d), f32),
@@ -136,11 +160,19 @@ class PromptBuffers:
 
     @classmethod
     def reserved_bytes(
-        cls, config: ModelConfig, tuning: DeviceTuning, sm_count: int, rows: int = PROMPT_ROWS, pages_per_row: int = 1
+        cls,
+        config: ModelConfig,
+        tuning: DeviceTuning,
+        sm_count: int,
+        rows: int = PROMPT_ROWS,
+        pages_per_row: int = 1,
+        *,
+        receives: bool = False,
+        sends: bool = False,
     ) -> int:
         """What `allocate` takes on the GPU, for the memory plan."""
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
-        layout = cls.layout(config, tuning, sm_count, rows, pages_per_row)
+        layout = cls.layout(config, tuning, sm_count, rows, pages_per_row, receives=receives, sends=sends)
         arrays = sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
         workspace = (
             ChunkWorkspace.nbytes(GatedDeltaNetShape.from_config(config), rows) if config.recurrent_layers else 0
@@ -149,10 +181,20 @@ class PromptBuffers:
 
     @classmethod
     def allocate(
-        cls, config: ModelConfig, tuning: DeviceTuning, sm_count: int, rows: int = PROMPT_ROWS, pages_per_row: int = 1
+        cls,
+        config: ModelConfig,
+        tuning: DeviceTuning,
+        sm_count: int,
+        rows: int = PROMPT_ROWS,
+        pages_per_row: int = 1,
+        *,
+        receives: bool = False,
+        sends: bool = False,
     ) -> PromptBuffers:
-        layout = cls.layout(config, tuning, sm_count, rows, pages_per_row)
+        layout = cls.layout(config, tuning, sm_count, rows, pages_per_row, receives=receives, sends=sends)
         arrays = {name: zeros(shape, dtype) for name, (shape, dtype) in layout.items()}
+        arrays.setdefault("arrival", None)
+        arrays.setdefault("departure", None)
         inputs = arrays["inputs"]
         rope = rope_tables(config.rope_dims, config.rope_theta, config.rope_sections)
         return cls(

@@ -20,7 +20,7 @@ from numba.cuda.cudadrv.driver import CudaAPIError
 from cmpchat.backends.gpu.device import GpuInfo
 from cmpchat.backends.gpu.kv_layout import KvLayout, KvPages
 from cmpchat.backends.gpu.memory_plan import StagePlan
-from cmpchat.backends.gpu.prompt_step import PROMPT_ROWS, PromptBuffers, prompt_launches, prompt_step_supported
+from cmpchat.backends.gpu.prompt_step import PromptBuffers, prompt_launches, prompt_step_supported
 from cmpchat.backends.gpu.states import RecurrentStates
 from cmpchat.backends.gpu.step import AttentionSplits, StepBuffers, decode_launches
 from cmpchat.backends.gpu.weights import StageWeights, upload_stage_weights
@@ -48,6 +48,10 @@ class Stage:
     prompt: PromptBuffers | None
     """The long-prompt step's buffers (None: this stage's layers cannot take it; prompts run 16 rows a step)."""
     stream: Any
+    arrival_stream: Any
+    departure_stream: Any
+    """A pipelined prompt's hand-offs copy into and out of the stage on these, beside its steps and apart from each
+    other, so an arrival never queues behind a departure that waits for a step (`bridge.OverlappedHandOff`)."""
     use_graphs: bool
     switches_device: bool = True
     """Whether `on_device` makes the stage's GPU current (the backend turns it off when every stage is on GPU 0)."""
@@ -95,9 +99,14 @@ class Stage:
         *,
         first: bool,
         last: bool,
+        prompt_rows: int,
         use_graphs: bool,
         on_upload: Callable[[int], None],
     ) -> Stage:
+        """The stage's weights, caches, states and buffers on its GPU; its long-prompt step runs `prompt_rows`
+        tokens, with staging buffers for the hand-offs from the stage before (unless `first`) and to the next
+        (unless `last`)."""
+
         def make() -> Stage:
             layers = plan.layers
             weights = upload_stage_weights(model_file, config, layers, first=first, last=last, progress=on_upload)
@@ -106,7 +115,8 @@ class Stage:
             pages_per_row = -(-plan.context_limit // plan.page_tokens)
             prompt = None
             if prompt_step_supported(config, weights) is None:
-                prompt = PromptBuffers.allocate(config, tuning, gpu.multiprocessors, PROMPT_ROWS, pages_per_row)
+                prompt = PromptBuffers.allocate(config, tuning, gpu.multiprocessors, prompt_rows, pages_per_row,
+                                                receives=not first, sends=not last)  # fmt: skip
             return cls(
                 index=index,
                 gpu=gpu,
@@ -119,6 +129,8 @@ class Stage:
                 buffers=StepBuffers.allocate(config, pages_per_row),
                 prompt=prompt,
                 stream=cuda.stream(),
+                arrival_stream=cuda.stream(),
+                departure_stream=cuda.stream(),
                 use_graphs=use_graphs,
             )
 
