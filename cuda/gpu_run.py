@@ -6,8 +6,10 @@ tests (`-m "gpu and not slow"` in quick mode, `-m gpu` in full mode), then in fu
 benchmarks (`cmpchat bench decode` on the 9B and 27B shapes, with llama.cpp when the archive that
 cuda/build_llama_cpp.sh packs is carried, and the GEMV micro-benchmark), in prefill mode `cmpchat bench
 prefill` with the GEMM, prefill-attention and chunked-GDN micro-benchmarks, in marks mode issue 25's engine
-marks (cuda/engine_marks.py: serve against bench, the KV pool, the app's second turn); their JSON lands beside
-the summary.
+marks (cuda/engine_marks.py: serve against bench, the KV pool, the app's second turn), in pipeline mode issue 27's
+(the pipeline's GPU tests, slow ones included; `cmpchat bench decode|prefill 27B --gpus 0,0,0 --gpu-mem 16G`; the
+3-stage 27B served (cuda/pipeline_smoke.py) and chatted with in the app (tests/tui/speed_check.py)); their JSON
+lands beside the summary.
 
 Results go to the results folder: log.txt (written by gpu_run.sh), selftest.xml and tests.xml (JUnit,
 with the properties tests record, e.g. launch overheads), summary.json and summary.txt, so a later session
@@ -33,6 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 SELFTEST = "tests/kernels/test_gpu_selftest.py"
 PACKAGES = ("numpy", "numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-core", "gguf", "pytest", "torch")
 MARKERS = {"quick": "gpu and not slow", "full": "gpu"}
+PIPELINE_TESTS = ["tests/backends/test_cuda_pipeline_gpu.py", "tests/backends/test_bridge.py"]
+PIPELINE_STAGES = ["--gpus", "0,0,0", "--gpu-mem", "16G"]  # the seed's setup: 27B on three 16 GB cards
 BENCH_FOLDER = "/tmp/cmpchat-bench"  # benchmark model files (tens of GB): built once per machine
 LLAMA_ARCHIVE = REPO / ".llama.cpp" / "llama-bench-sm90.tar.xz"  # from cuda/build_llama_cpp.sh, carried
 GPU_MARK = re.compile(r"(pytest\.)?mark\.gpu\b")
@@ -107,6 +111,19 @@ def run_benchmarks(results: Path, deadline: float, shapes: list[str], mode: str,
         except (OSError, ValueError, KeyError):
             pass
         return {"engine_marks": result}
+    if mode == "pipeline":
+        bench = [sys.executable, "-m", "cmpchat", "bench"]
+        commands = {
+            "decode_3_stages": [*bench, "decode", "27B", *PIPELINE_STAGES, "--folder", BENCH_FOLDER,
+                                "--json", str(results / "bench_decode_3_stages.json")],
+            "prefill_3_stages": [*bench, "prefill", "27B", *PIPELINE_STAGES, "--tokens", "1160", "4620", "18440",
+                                 "--folder", BENCH_FOLDER, "--json", str(results / "bench_prefill_3_stages.json")],
+            "serve_3_stages": [sys.executable, "cuda/pipeline_smoke.py", "--model", "27B", "--gpus", "0,0,0",
+                               "--gpu-mem", "16G", "--folder", BENCH_FOLDER, "--results", str(results / "smoke")],
+            "app_3_stages": [sys.executable, "tests/tui/speed_check.py", "--folder", BENCH_FOLDER, "--model", "27B",
+                             "--tokens", "64", "--rounds", "1", "--app-args", " ".join(PIPELINE_STAGES)],
+        }  # fmt: skip
+        return {n: _timed(c, timeout=max(deadline - time.monotonic(), 1)) for n, c in commands.items()}
     kernel_shapes = [s for s in shapes if s in ("9B", "27B")]
     gemv = [sys.executable, "-m", "cmpchat.bench.kernels.gemv", *kernel_shapes]
     gemm = [sys.executable, "-m", "cmpchat.bench.kernels.gemm", *kernel_shapes, "--tokens", "256", "512", "2048"]
@@ -218,7 +235,8 @@ def format_summary(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the GPU tests (use cuda/gpu_run.sh).")
-    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench", "prefill", "sweep", "marks"], default="quick")
+    parser.add_argument("--mode", choices=[*sorted(MARKERS), "bench", "prefill", "sweep", "marks", "pipeline"],
+                        default="quick")  # fmt: skip
     parser.add_argument("--shapes", nargs="+", default=["9B", "27B"], help="model shapes the benchmarks run")
     parser.add_argument("--tokens", type=int, nargs="+", default=[], help="prompt lengths (prefill mode)")
     parser.add_argument("--results", type=Path, required=True)
@@ -242,11 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     summary["phases"]["selftest"] = phase
     _write(summary, args.results)
     passed = phase["returncode"] == 0
-    if passed and args.mode in MARKERS:
+    if passed and (args.mode in MARKERS or args.mode == "pipeline"):
         tests_xml = args.results / "tests.xml"
-        files = gpu_test_files()
+        files = gpu_test_files() if args.mode in MARKERS else PIPELINE_TESTS
         print(f"\nGPU test modules: {' '.join(files)}", flush=True)
-        phase = run_pytest(files, MARKERS[args.mode], tests_xml, args.timeout, args.pytest_args, deadline)
+        marker = MARKERS.get(args.mode, "gpu")
+        phase = run_pytest(files, marker, tests_xml, args.timeout, args.pytest_args, deadline)
         phase["junit"] = junit_summary(tests_xml)
         phase["files"] = files
         summary["phases"]["gpu_tests"] = phase

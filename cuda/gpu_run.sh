@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a bare GPU machine: install the carried wheels, run the GPU self-test, then the GPU tests.
 #
-#   bash cuda/gpu_run.sh [quick|full|bench|prefill|sweep] [--budget SECONDS] [--timeout SECONDS] [--tokens N...] [-- PYTEST ARGS...]
+#   bash cuda/gpu_run.sh [quick|full|bench|prefill|sweep|marks|pipeline] [--budget SECONDS] [--timeout SECONDS] [--tokens N...] [-- PYTEST ARGS...]
 #
 #   quick (default): the self-test, then `pytest -m "gpu and not slow"` over every test module with GPU tests
 #   full:            the self-test, `pytest -m gpu`, then the benchmarks (cmpchat bench decode, GEMV)
@@ -9,6 +9,9 @@
 #   prefill:         the self-test, then prompt tok/s (cmpchat bench prefill, with llama.cpp when carried) and the
 #                    prefill kernels' micro-benchmarks (DP4A GEMM, prefill attention, chunked Gated DeltaNet)
 #   sweep:           the self-test, then the tuning sweeps (GEMV tilings and fixed costs, decode-attention tilings, GEMM tilings)
+#   marks:           the self-test, then issue 25's engine marks (cuda/engine_marks.py)
+#   pipeline:        the self-test, the pipeline's GPU tests (slow ones too), then 27B as three 16 GB stages on GPU 0:
+#                    bench decode and prefill, served (cuda/pipeline_smoke.py) and chatted with in the app
 #
 # Expects the repository as working directory's parent of cuda/ and, where packages are missing (the
 # device tool's H200 machine), their wheels in .whl/ (cuda/fetch_wheels.sh fetches them; name ".whl" in the
