@@ -14,6 +14,7 @@ import numpy as np
 
 from cmpchat.errors import CmpchatError
 from cmpchat.model.gguf_file import ModelFile
+from cmpchat.vision.preprocess import PatchSettings
 
 ARCHITECTURE = "clip"
 PROJECTOR_TYPE = "qwen3vl_merger"
@@ -47,6 +48,10 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.width // self.num_heads
+
+    @property
+    def patch_settings(self) -> PatchSettings:
+        return PatchSettings(self.patch_size, self.merge_size, self.temporal_patch, self.image_mean, self.image_std)
 
     @property
     def merged_width(self) -> int:
