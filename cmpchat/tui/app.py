@@ -33,6 +33,7 @@ from cmpchat.tui.remote_model import RemoteModel
 from cmpchat.tui.screens.chat_screen import ChatScreen
 from cmpchat.tui.screens.help import HelpScreen, binding_rows, pretty_keys
 from cmpchat.tui.screens.model_picker import ModelPickerScreen
+from cmpchat.tui.server_gpus import ServerGpuPoller, ServerGpuReport
 from cmpchat.tui.session import ChatSession
 from cmpchat.tui.settings import AppState, Settings, load_state, save_state, settings_path
 from cmpchat.tui.themes import DEFAULT_THEME, load_themes
@@ -91,6 +92,9 @@ class CmpchatApp(App[None]):
     @dataclass
     class GpuReadings(Message):
         readings: tuple[GpuReading, ...]
+        problem: str | None
+        source: object
+        """The monitor or poller that read them: readings from a source no longer shown are dropped."""
 
     @dataclass
     class ModelFailed(Message):
@@ -124,6 +128,8 @@ class CmpchatApp(App[None]):
         self.opener = opener
         self._gpu_sampler = gpu_sampler
         self._gpu_monitor: GpuMonitor | None = None
+        self._server_gpus: ServerGpuPoller | None = None
+        """While the model is a server's: what reads the server's GPUs, shown instead of this machine's."""
         self._theme_folders = theme_folders
         self._loaded_request: ModelRequest | None = None
         self.set_keymap(self.settings.keymap)
@@ -186,6 +192,8 @@ class CmpchatApp(App[None]):
     def on_unmount(self) -> None:
         if self._gpu_monitor is not None:
             self._gpu_monitor.stop()
+        if self._server_gpus is not None:
+            self._server_gpus.stop()
         self._save_state()
         self.history.close()
 
@@ -363,6 +371,7 @@ class CmpchatApp(App[None]):
     def on_cmpchat_app_model_loaded(self, message: ModelLoaded) -> None:
         self._loaded_request = message.request
         self.model = message.model
+        self._show_gpus_of(message.model)
         if isinstance(message.model, RemoteModel):
             return  # nothing generates in this process, and a server is not the model to open next time
         sys.setswitchinterval(GIL_SWITCH_SECONDS.get(message.model.backend.name, 0.005))
@@ -389,15 +398,37 @@ class CmpchatApp(App[None]):
 
     def _gpu_sampler_ready(self, sampler: GpuSampler) -> None:
         self._gpu_sampler = sampler
-        self.gpu_problem = sampler.problem
-        self._gpu_monitor = GpuMonitor(sampler, self._readings_from_thread, self.settings.gpu_sample_seconds)
-        self._gpu_monitor.start()
+        if self._server_gpus is None:
+            self.gpu_problem = sampler.problem
 
-    def _readings_from_thread(self, readings: list[GpuReading]) -> None:
         # post_message never blocks, so stopping the monitor cannot wait on a UI that is shutting down.
-        self.post_message(self.GpuReadings(tuple(readings)))
+        def post(readings: list[GpuReading]) -> None:
+            self.post_message(self.GpuReadings(tuple(readings), sampler.problem, monitor))
+
+        monitor = GpuMonitor(sampler, post, self.settings.gpu_sample_seconds)
+        self._gpu_monitor = monitor
+        monitor.start()
+
+    def _show_gpus_of(self, model: ChatModel) -> None:
+        """A server's model shows the server's GPUs (read from its endpoint), a local one this machine's."""
+        was_remote = self._server_gpus is not None
+        if self._server_gpus is not None:
+            self._server_gpus.stop()
+            self._server_gpus = None
+        if isinstance(model, RemoteModel):
+
+            def post(report: ServerGpuReport) -> None:
+                self.post_message(self.GpuReadings(report.readings, report.problem, poller))
+
+            poller = ServerGpuPoller(model.server, post, self.settings.gpu_sample_seconds)
+            self._server_gpus = poller
+            self.gpu_readings, self.gpu_problem = (), None  # "reading GPUs…" until the server answers
+            poller.start()
+        elif was_remote and self._gpu_sampler is not None:
+            self.gpu_readings, self.gpu_problem = (), self._gpu_sampler.problem
 
     def on_cmpchat_app_gpu_readings(self, message: GpuReadings) -> None:
+        if message.source is not (self._server_gpus or self._gpu_monitor):
+            return
         self.gpu_readings = message.readings
-        if self._gpu_sampler is not None:
-            self.gpu_problem = self._gpu_sampler.problem
+        self.gpu_problem = message.problem

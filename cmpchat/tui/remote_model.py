@@ -41,8 +41,9 @@ READ_SECONDS = 600.0
 """Longest wait for the next streamed line: a long prompt on a slow card may take minutes to its first token."""
 CANCEL_POLL_SECONDS = 0.05
 """How often a reply waiting on the server looks whether it was stopped."""
-GPU_READINGS_UNAVAILABLE = "remote server: GPU readings not available"
-"""The GPU panel's line in remote mode, until a sampler reads the server's GPU endpoint."""
+GPU_READINGS_UNAVAILABLE = "GPU readings come from the server once it answers"
+"""The GPU panel's line in remote mode before the server is reached (`cmpchat --url` reads no local GPUs);
+then `server_gpus.ServerGpuPoller` reads the server's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +139,7 @@ class RemoteModel:
                 break
             if isinstance(line, httpx.HTTPError):
                 if reading.has_text:
-                    raise ReplyCut(f"the server's stream broke off: {_reason(line)}") from line
+                    raise ReplyCut(f"the server's stream broke off: {failure_reason(line)}") from line
                 raise CmpchatError(unreachable(self.server, line)) from line
             if isinstance(line, Exception):  # the server's refusal, already one line
                 raise line
@@ -413,7 +414,7 @@ def openai_message(message: Message) -> dict[str, Any]:
 
 
 def unreachable(server: RemoteServer, err: httpx.HTTPError) -> str:
-    return f"cannot reach the server at {server.url}: {_reason(err)}"
+    return f"cannot reach the server at {server.url}: {failure_reason(err)}"
 
 
 def refusal(response: httpx.Response) -> str:
@@ -436,7 +437,8 @@ def error_message(body: object, fallback: str) -> str:
     return str(error) if error else fallback
 
 
-def _reason(err: httpx.HTTPError) -> str:
+def failure_reason(err: httpx.HTTPError) -> str:
+    """Why a request got no answer, in a few words."""
     if isinstance(err, httpx.ConnectError):
         return f"connection failed ({err})" if str(err) else "connection failed"
     if isinstance(err, httpx.TimeoutException):

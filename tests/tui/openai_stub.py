@@ -1,7 +1,7 @@
-"""A third-party-style OpenAI server for the app's remote-mode tests: /v1/models and a streamed
-/v1/chat/completions whose chunks a test writes, with `reasoning_content`, `usage` and no `timings`
-(as vLLM or a proxy sends them), a gate to hold the stream mid-reply, a stream cut off without its end,
-and a 401 for a wrong key."""
+"""A third-party-style OpenAI server for the app's remote-mode tests: /v1/models (any other GET is a 404,
+as llama-server and vLLM answer cmpchat's own routes) and a streamed /v1/chat/completions whose chunks a
+test writes, with `reasoning_content`, `usage` and no `timings` (as vLLM or a proxy sends them), a gate to
+hold the stream mid-reply, a stream cut off without its end, and a 401 for a wrong key."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ class StubScript:
     cut: bool = False
     requests: list[dict[str, Any]] = field(default_factory=list)
     """Each chat request's body, with the Authorization header it came with under "authorization"."""
+    gets: list[str] = field(default_factory=list)
+    """The path of each GET request, in order."""
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -72,6 +74,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        self.script.gets.append(self.path)
         if self.path != "/v1/models":
             self._json(404, {"error": {"message": "not found"}})
         elif not self._refused():

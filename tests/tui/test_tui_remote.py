@@ -83,7 +83,7 @@ async def test_a_reply_from_cmpchat_serve_streams_with_its_reasoning_timings_and
         screen = await ready(pilot)
         title = screen.query_one(TitleBar)
         assert title.model_name == "scripted" and title.device == cmpchat_server.url.removeprefix("http://")
-        assert GPU_READINGS_UNAVAILABLE in plain(screen.query_one(GpuPanel))
+        await wait_for(pilot, lambda: "no GPU readings in these tests" in plain(screen.query_one(GpuPanel)))
         await send(pilot, "SAY:Weighing it up.</think>Hello from the server.")
         reply = screen.query_one(ReplyView)
         assert reply.content == "Hello from the server."

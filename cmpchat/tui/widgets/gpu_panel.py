@@ -41,6 +41,8 @@ class GpuPanel(Widget):
         self.refresh()
 
     def watch_readings(self, readings: tuple[GpuReading, ...]) -> None:
+        if not readings:
+            self._history.clear()  # the readings stopped or their source changed: older history is not theirs
         for reading in readings:
             history = self._history.setdefault(reading.index, deque(maxlen=HISTORY))
             history.append(reading.utilization or 0.0)
