@@ -113,6 +113,27 @@ def test_two_and_three_stages_equal_one_stage_bit_for_bit(name: str):
         free(pipeline)
 
 
+def test_stages_on_two_gpus_upload_at_once_and_equal_one_stage_bit_for_bit():
+    """Two real GPUs (issue 28's machines): the stages upload on a thread each (`stage_loading`), the hidden
+    states cross between the cards through host memory, and the tokens and logits are one stage's."""
+    from cmpchat.backends.gpu.device import gpu_count
+
+    if gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    path = model_path("0.8B")
+    prompt = np.random.default_rng(2).integers(0, 1000, PIPELINE_PROMPT_ROWS + 21).tolist()
+    one = load(path, 1, prompt_rows=PIPELINE_PROMPT_ROWS)
+    expected = prompt_and_decode(one, prompt)
+    free(one)
+    labels: list[str] = []
+    two = CudaBackend(ModelFile(path), sequences=4, saved_states=0, context=4096, gpus=[0, 1],
+                      progress=lambda label, done, total: labels.append(label))  # fmt: skip
+    assert any("2 GPUs at once" in label for label in labels)
+    logits, tokens = prompt_and_decode(two, prompt)
+    assert tokens == expected[1] and same_bits(logits, expected[0])
+    free(two)
+
+
 @pytest.mark.slow
 def test_three_stages_of_16_gb_hold_27b():
     """The planner on the 27B benchmark file (29 GB, built on first use) as three 16 GB cards; nothing loads."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ from cmpchat.backends.gpu.prompt_step import PromptBuffers
 from cmpchat.backends.gpu.prompt_step import prompt_rows as default_prompt_rows
 from cmpchat.backends.gpu.sampler import GpuChoice, GpuSampler
 from cmpchat.backends.gpu.stage import Stage
+from cmpchat.backends.gpu.stage_loading import StageLoad, load_stages
 from cmpchat.backends.gpu.step import MAX_ROWS, StepBuffers
 from cmpchat.backends.gpu.weights import check_gpu_types, stage_weight_bytes
 from cmpchat.backends.kv_pool import PageCopy, PageList, PagePool, PoolExhausted
@@ -128,18 +130,17 @@ class CudaBackend(Backend[CudaSequence]):
         self.prompt_rows = prompt_rows or default_prompt_rows(len(self.plans))
         """Tokens per long-prompt step (fewer in a pipeline: `prompt_step.PIPELINE_PROMPT_ROWS`)."""
 
-        self.stages = []
+        loads = []
         for i, (info, row, p) in enumerate(zip(infos, tunings, self.plans, strict=True)):
             label = "loading weights onto the GPU"  # with several stages, a bar per stage
             if len(self.plans) > 1:
                 label = (
                     f"loading weights onto GPU {info.index} (stage {i}, layers {p.layers.start}-{p.layers.stop - 1})"
                 )
-            uploads = _UploadProgress(label, p.weights, progress)  # the plan's weights: what the stage uploads
-            self.stages.append(Stage.load(i, info, row, p, model_file, config, layout, first=i == 0,
-                                          last=i == last_index, prompt_rows=self.prompt_rows, use_graphs=use_graphs,
-                                          on_upload=uploads))  # fmt: skip
-            uploads.finish()
+            load = partial(Stage.load, i, info, row, p, model_file, config, layout, first=i == 0, last=i == last_index,
+                           prompt_rows=self.prompt_rows, use_graphs=use_graphs)  # fmt: skip
+            loads.append(StageLoad(info.index, label, p.weights, load))  # the plan's weights: what the stage uploads
+        self.stages = load_stages(loads, progress)
         if {stage.gpu.index for stage in self.stages} == {0}:
             # Numba makes GPU 0's context current in any thread that touches CUDA, so a backend on GPU 0 alone
             # never switches: a switch costs a lock and two driver calls, several times a decode step.
@@ -669,22 +670,6 @@ def choose_stages(
         assert refusal is not None
         raise refusal
     return fitting
-
-
-class _UploadProgress:
-    """Reports one stage's weight upload as `progress(label, bytes so far, total)`."""
-
-    def __init__(self, label: str, total: int, progress: Progress | None) -> None:
-        self.label, self.total, self.progress, self.done = label, total, progress, 0
-
-    def __call__(self, nbytes: int) -> None:
-        self.done += nbytes
-        if self.progress is not None:
-            self.progress(self.label, min(self.done, self.total), self.total)
-
-    def finish(self) -> None:
-        if self.progress is not None:
-            self.progress(self.label, self.total, self.total)
 
 
 def _check_live(sequence: CudaSequence) -> None:
