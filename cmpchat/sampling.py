@@ -1,7 +1,10 @@
-"""Next-token selection from logits: penalties, temperature, top-k, top-p, min-p, seeded draws.
+"""Next-token selection from logits: penalties, an allowed-token mask, temperature, top-k, top-p, min-p,
+seeded draws; and the log-probabilities a front end may report.
 
-Order of operations: penalties on the raw logits, then temperature, then the top-k, top-p and min-p
-filters on the tempered distribution, then one draw. Temperature 0 is greedy (argmax after penalties).
+Order of operations: penalties on the raw logits, then the mask (a grammar's disallowed tokens to -inf),
+then temperature, then the top-k, top-p and min-p filters on the tempered distribution, then one draw.
+Temperature 0 is greedy (argmax after penalties and mask). Log-probabilities are those of the raw logits
+(before penalties, mask and temperature), as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -79,14 +82,36 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequenc
     return out
 
 
+def mask_words(vocab: int) -> int:
+    """uint32 words of an allowed-token mask over `vocab` ids."""
+    return (vocab + 31) // 32
+
+
+def allowed_ids(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """bool [vocab]: the ids a packed mask allows (bit i % 32 of word i // 32, llguidance's layout)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype="<u4").view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)
+
+
+def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Logits with every id the packed mask does not allow at -inf."""
+    out = logits.astype(np.float32, copy=True)
+    out[~allowed_ids(mask, out.shape[0])] = -np.inf
+    return out
+
+
 def sample_token(
     logits: np.ndarray,
     params: SamplingParams,
     history: Sequence[int],
     rng: np.random.Generator,
+    allowed: np.ndarray | None = None,
 ) -> int:
-    """One token id from a [vocab] row of logits."""
+    """One token id from a [vocab] row of logits; `allowed` is a packed mask (uint32 [mask_words(vocab)]) of
+    the ids that may be chosen, None for all."""
     logits = apply_penalties(np.asarray(logits, dtype=np.float32), params, history)
+    if allowed is not None:
+        logits = apply_mask(logits, allowed)
     if params.is_greedy:
         return int(np.argmax(logits))
     candidates, probs, keep = filtered_candidates(logits, params)
@@ -112,3 +137,24 @@ def filtered_candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.
     if params.min_p > 0.0:
         keep = min(keep, int(np.count_nonzero(probs >= params.min_p * probs[0])))
     return candidates, probs, keep
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log-probability of a chosen token and of the most likely ones, from the raw logits."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(id, log-probability) of the most likely tokens, most likely first (ties to the lower id)."""
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """Log-softmax of a [vocab] row of raw logits at `token`, and its `top` most likely entries."""
+    row = np.asarray(logits, dtype=np.float64)
+    peak = np.max(row)
+    logprobs = row - (peak + np.log(np.sum(np.exp(row - peak))))
+    top = min(top, row.shape[0])
+    candidates = np.argpartition(-logprobs, top - 1)[:top] if top > 0 else np.zeros(0, np.int64)
+    best = candidates[np.lexsort((candidates, -logprobs[candidates]))]
+    return TokenLogprobs(int(token), float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in best))

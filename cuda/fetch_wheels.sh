@@ -37,8 +37,10 @@ WHEELS=(
     annotated-types==0.8.0
     typing-inspection==0.4.5
     typing-extensions==4.16.0
+    # the server's structured output (constrained decoding); its wheels need glibc 2.31 (the image has 2.39)
+    llguidance==1.9.1
 )
-PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
+PLATFORMS=(manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
 mkdir -p .whl
 for spec in "${WHEELS[@]}"; do

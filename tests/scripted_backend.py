@@ -150,7 +150,8 @@ class ScriptedBackend(Backend[ScriptedSequence]):
         self.log.append("select")
         rows = self.to_host(logits)
         return ScriptedSelection(
-            self, [sample_token(row, s.params, s.history, s.rng) for row, s in zip(rows, selectors, strict=True)]
+            self,
+            [sample_token(row, s.params, s.history, s.rng, s.allowed) for row, s in zip(rows, selectors, strict=True)],
         )
 
     def score(self, sequence: ScriptedSequence, tokens: Sequence[int]) -> np.ndarray:

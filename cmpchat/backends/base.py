@@ -26,7 +26,7 @@ import numpy as np
 
 from cmpchat.backends.kv_pool import PagePool
 from cmpchat.model.config import ModelConfig
-from cmpchat.sampling import SamplingParams, sample_token
+from cmpchat.sampling import SamplingParams, TokenLogprobs, sample_token, token_logprobs
 
 S = TypeVar("S")
 """A backend's sequence state: its KV pages, recurrent state and position."""
@@ -37,12 +37,18 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(frozen=True, slots=True)
 class Selector:
-    """How to choose one row's next token: its settings, the tokens it has seen (for the penalties), and the
-    generator its draws come from (so a seeded reply is reproducible)."""
+    """How to choose one row's next token: its settings, the tokens it has seen (for the penalties), the
+    generator its draws come from (so a seeded reply is reproducible), the tokens a grammar allows, and
+    whether to report log-probabilities."""
 
     params: SamplingParams
     history: Sequence[int]
     rng: np.random.Generator
+    allowed: np.ndarray | None = None
+    """A packed mask (uint32 [ceil(vocab / 32)], bit i % 32 of word i // 32) of the ids that may be chosen;
+    None: any."""
+    logprobs: int | None = None
+    """Report the chosen token's log-probability and those of this many most likely tokens; None: none."""
 
 
 class Logits:
@@ -67,14 +73,23 @@ class Selection(ABC):
     def tokens(self) -> list[int]:
         """The chosen ids, one per row (waits for the device where they are chosen there)."""
 
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Per row, the log-probabilities its selector asked for (None where it asked for none); waits as
+        `tokens` does."""
+        return [None] * self.rows
+
 
 class HostSelection(Selection):
-    def __init__(self, ids: Sequence[int]) -> None:
+    def __init__(self, ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None] | None = None) -> None:
         self._ids = [int(i) for i in ids]
         self.rows = len(self._ids)
+        self._logprobs: list[TokenLogprobs | None] = [None] * self.rows if logprobs is None else list(logprobs)
 
     def tokens(self) -> list[int]:
         return self._ids
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        return self._logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +189,12 @@ class Backend(ABC, Generic[S]):
         rows = self.to_host(logits)
         if len(selectors) != rows.shape[0]:
             raise ValueError(f"{len(selectors)} selectors for {rows.shape[0]} rows of logits")
-        return HostSelection([sample_token(row, s.params, s.history, s.rng) for row, s in zip(rows, selectors)])
+        ids = [sample_token(row, s.params, s.history, s.rng, s.allowed) for row, s in zip(rows, selectors)]
+        reports = [
+            None if s.logprobs is None else token_logprobs(row, token, s.logprobs)
+            for row, s, token in zip(rows, selectors, ids)
+        ]
+        return HostSelection(ids, reports)
 
     def to_host(self, logits: Logits) -> np.ndarray:
         """Logits as a host array [rows, vocab] (a copy from the GPU on GPU backends: only when asked)."""

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic
 
+import numpy as np
+
 from cmpchat.backends.base import Backend, Chosen, Logits, S, Selector
 from cmpchat.engine.active import ActiveRequest
 from cmpchat.engine.events import DecodeProgress, Finished, PromptProgress
@@ -305,7 +307,7 @@ class Engine(Generic[S]):
     def _preempt(self, item: ActiveRequest) -> None:
         """Give back `item`'s sequence and requeue it to re-read its prompt and what it generated."""
         if item.pending is not None:
-            self._accept(item, item.pending.selection.tokens()[item.pending.row], time.perf_counter())
+            self._accept(item, item.pending)
             item.pending = None
             if item.reply.done:
                 self._finish([item], cancelled=False)
@@ -359,13 +361,8 @@ class Engine(Generic[S]):
         for item in items:
             if item.pending is None or item.ended:  # preempted or failed since its step was queued
                 continue
-            try:
-                token = item.pending.selection.tokens()[item.pending.row]
-            except Exception as err:
-                self._fail([item], _describe(err))
-                continue
-            item.pending = None
-            self._accept(item, token, time.perf_counter())
+            pending, item.pending = item.pending, None
+            self._accept(item, pending)
             if item.reply.done:
                 done.append(item)
         self.stats.decode_seconds += time.perf_counter() - started
@@ -381,19 +378,47 @@ class Engine(Generic[S]):
         self._finish(done, cancelled=False)
 
     def _select(self, items: list[ActiveRequest], logits: Logits) -> Any:
-        selectors = [Selector(item.reply.sampling, item.reply.history, item.reply.rng) for item in items]
+        selectors = [
+            Selector(
+                item.reply.sampling,
+                item.reply.history,
+                item.reply.rng,
+                allowed=self._allowed(item),
+                logprobs=item.reply.options.logprobs,
+            )
+            for item in items
+        ]
         try:
             return self.backend.select(logits, selectors)
         except Exception as err:
             self._fail(items, _describe(err))
             return None
 
-    def _accept(self, item: ActiveRequest, token: int, now: float) -> None:
+    def _allowed(self, item: ActiveRequest) -> np.ndarray | None:
+        """The mask of `item`'s grammar. It is computed here, after the reply read its previous token and while
+        the step that makes the logits runs: a constrained row adds host time, not a wait for the device. A
+        grammar that fails fails its request alone (its row is still selected, unconstrained, and never read)."""
+        try:
+            return item.reply.allowed_tokens()
+        except Exception as err:
+            self._fail([item], _describe(err))
+            return None
+
+    def _accept(self, item: ActiveRequest, chosen: Chosen) -> None:
+        """Read the token `chosen` holds for `item` (and its log-probabilities, when asked for) and feed it
+        to the reply."""
+        try:
+            token = chosen.selection.tokens()[chosen.row]
+            logprobs = chosen.selection.logprobs()[chosen.row] if item.reply.options.logprobs is not None else None
+        except Exception as err:
+            self._fail([item], _describe(err))
+            return
+        now = time.perf_counter()
         if item.first_token_at is None:
             item.first_token_at = now
         item.last_token_at = now
         try:
-            events = item.reply.accept(int(token))
+            events = item.reply.accept(int(token), logprobs)
         except Exception as err:
             self._fail([item], _describe(err))
             return

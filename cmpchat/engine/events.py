@@ -1,5 +1,6 @@
 """What a generation streams to its front end, in order: prompt progress, then text and tool-call
-deltas interleaved with decode progress, then exactly one `Finished`."""
+deltas (and, when asked for, each token's log-probabilities) interleaved with decode progress, then exactly
+one `Finished`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cmpchat.chat.output_parser import ContentDelta, ReasoningDelta, ToolCallEvent
+from cmpchat.sampling import TokenLogprobs
 
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
 
@@ -63,7 +65,11 @@ class Finished:
     """The stop string that ended the reply (reason "stop"); None when anything else did."""
 
 
-GenerationEvent = PromptProgress | DecodeProgress | ReasoningDelta | ContentDelta | ToolCallEvent | Finished
+GenerationEvent = (
+    PromptProgress | DecodeProgress | TokenLogprobs | ReasoningDelta | ContentDelta | ToolCallEvent | Finished
+)
+"""`TokenLogprobs` come only when the request asked for them, one per generated token but the end token,
+before the text that token completes."""
 
 __all__ = [
     "ContentDelta",
@@ -74,5 +80,6 @@ __all__ = [
     "PromptProgress",
     "ReasoningDelta",
     "Timings",
+    "TokenLogprobs",
     "ToolCallEvent",
 ]

@@ -14,10 +14,11 @@ import numpy as np
 
 from cmpchat.chat.messages import Tool
 from cmpchat.chat.output_parser import ContentDelta, Event, OutputParser, ReasoningDelta, ToolCallEvent
+from cmpchat.engine.constraint import GrammarMatcher
 from cmpchat.engine.events import Finished, FinishReason, Timings
 from cmpchat.engine.stop import StopStringMatcher
 from cmpchat.errors import CmpchatError
-from cmpchat.sampling import SamplingParams
+from cmpchat.sampling import SamplingParams, TokenLogprobs
 from cmpchat.tokenizer import Tokenizer
 
 
@@ -35,10 +36,18 @@ class GenerationOptions:
     calls out of it (chat replies)."""
     ignore_eos: bool = False
     """Keep generating past end tokens (benchmarks on random weights; llama.cpp's ignore_eos)."""
+    grammar: str | None = None
+    """An llguidance grammar (`engine.constraint`) the reply's tokens must follow; it ends with an end token."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability and those of this many most likely tokens (None: none)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.grammar is not None and self.ignore_eos:
+            raise ValueError("a grammar ends the reply with an end token, so it cannot be combined with ignore_eos")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
 
 
 class Reply:
@@ -80,6 +89,7 @@ class Reply:
         self._decoder = tokenizer.stream_decoder()
         self._stopper = StopStringMatcher(options.stop)
         self._parser = RawText() if options.raw_text else OutputParser(starts_in_reasoning, tools=tools)
+        self._grammar = None if options.grammar is None else GrammarMatcher(options.grammar, tokenizer)
 
     @property
     def done(self) -> bool:
@@ -90,17 +100,27 @@ class Reply:
         """Whether the next token is the last the budget allows (no step needs to follow it)."""
         return self.generated + 1 >= self.budget
 
-    def accept(self, token: int) -> list[Event]:
-        """Take the next sampled token; return the text events it completes. Sets `finish_reason` at the end."""
+    def allowed_tokens(self) -> np.ndarray | None:
+        """The packed mask of the ids the grammar allows next; None when the reply has no grammar (or is done)."""
+        if self._grammar is None or self.done:
+            return None
+        return self._grammar.allowed()
+
+    def accept(self, token: int, logprobs: TokenLogprobs | None = None) -> list[Event | TokenLogprobs]:
+        """Take the next sampled token (and its log-probabilities, when asked for); return the events it makes:
+        its log-probabilities first, then the text it completes. Sets `finish_reason` at the end."""
         if self.done:
             raise RuntimeError("Reply.accept after the reply finished")
         self.generated += 1
         self.token_ids.append(token)
+        if self._grammar is not None:
+            self._grammar.accept(token)
         if token in self._end_tokens:
             self.finish_reason = "stop"
             return []
         self.history.append(token)
-        events = self._collect(self._parser.feed(self._stopper.feed(self._decoder.feed(token))))
+        text = self._collect(self._parser.feed(self._stopper.feed(self._decoder.feed(token))))
+        events: list[Event | TokenLogprobs] = [logprobs, *text] if logprobs is not None else [*text]
         if self._stopper.stopped:
             self.finish_reason = "stop"
         elif self.generated >= self.budget:

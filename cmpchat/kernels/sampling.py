@@ -1,7 +1,8 @@
 """Next-token selection on the GPU from fp32 logits [B, V]: only B token ids ever leave the device.
 
 Semantics are `cmpchat.sampling.sample_token`'s: penalties over a device-resident window of
-recent tokens, then greedy argmax (temperature 0; ties to the lowest id, as np.argmax) or: z = logit / T
+recent tokens, a grammar's allowed-token mask (`apply_mask`, only in the launch lists of steps with a
+constrained row; disallowed logits to -inf, which every later step handles), then greedy argmax (temperature 0; ties to the lowest id, as np.argmax) or: z = logit / T
 (fp32), keep the top-k (0 < k < V), then the smallest prefix of those by probability whose mass reaches
 top_p (renormalised over the top-k, as numpy does), then those with p >= min_p * p_max, and draw one.
 
@@ -25,7 +26,7 @@ Exactness caveats: tokens with bit-identical logits exactly at a cut are all kep
 them, in an order its argpartition leaves unspecified); probabilities are fp32 exp, so a token within
 ~1e-7 (relative) of the top-p or min-p boundary may fall on the other side; uniforms have 23 bits.
 
-Device-resident state the backend owns (helpers below build the host copies): params float64 [B, 8]
+Device-resident state the backend owns (helpers below build the host copies): params float64 [B, 9]
 (`pack_params`), rng uint32 [B, 4] (seed, seed, draw number, unused; `rng_state`), window int32 [B, W] a
 ring of the last tokens with window_count int32 [B] tokens ever appended (`window_from_histories`), the
 output tokens int32 [B], and a `SamplingWorkspace` (scratch, allocated once per batch size).
@@ -56,8 +57,8 @@ TICKETS = 2 + RADIX_PASSES  # last-block tickets per row: row_max, each radix pa
 TICKET_ROW_MAX, TICKET_DRAW = 0, 1 + RADIX_PASSES
 MASS_SCALE = 2.0**40  # fixed-point unit of exp(z - zmax) <= 1; V * 2^40 < 2^58 fits uint64
 
-P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_REPETITION, P_PRESENCE, P_FREQUENCY, P_WINDOW = range(8)
-PARAM_COUNT = 8
+P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_REPETITION, P_PRESENCE, P_FREQUENCY, P_WINDOW, P_MASKED = range(9)
+PARAM_COUNT = 9
 # radix_state columns: per cut (0 top-k, 1 top-p) at 4 * cut: key prefix, count above, mass above, target.
 STATE_COLUMNS = 8
 NO_INDEX = 0x7FFFFFFF
@@ -185,6 +186,17 @@ def apply_penalties(logits, params, window, window_count):
                 value = value / float32(repetition) if value > 0 else value * float32(repetition)
             value = value - float32(presence)
             logits[row, token] = float32(float64(value) - frequency * float64(seen))
+
+
+@kernel("void(float32[:, ::1], float64[:, ::1], uint32[:, ::1], int32)")
+def apply_mask(logits, params, mask, chunk):
+    """Disallowed ids of a masked row to -inf (bit i % 32 of mask word i // 32 clear); other rows return."""
+    row, start = cuda.blockIdx.y, cuda.blockIdx.x * chunk
+    if params[row, P_MASKED] == 0.0:
+        return
+    for i in range(start + cuda.threadIdx.x, min(start + chunk, logits.shape[1]), cuda.blockDim.x):
+        if (mask[row, i >> 5] >> uint32(i & 31)) & uint32(1) == uint32(0):
+            logits[row, i] = float32(-math.inf)
 
 
 @kernel(
@@ -354,15 +366,19 @@ class SamplingWorkspace:
         return cls(batch, vocab, chunk, **arrays)
 
 
-def pack_params(params: Sequence[SamplingParams], window_width: int) -> np.ndarray:
-    """float64 [B, 8] device copy of each sequence's sampling parameters (the column order of P_*)."""
+def pack_params(
+    params: Sequence[SamplingParams], window_width: int, masked: Sequence[bool] | None = None
+) -> np.ndarray:
+    """float64 [B, PARAM_COUNT] device copy of each sequence's sampling parameters (the column order of P_*);
+    `masked` says which rows `apply_mask` constrains (none by default)."""
+    flags = masked if masked is not None else [False] * len(params)
     rows = []
-    for p in params:
+    for p, flag in zip(params, flags, strict=True):
         if p.has_penalties and p.penalty_window > window_width:
             raise ValueError(f"penalty_window {p.penalty_window} exceeds the device window of {window_width} tokens")
         rows.append(
             (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-             p.frequency_penalty, p.penalty_window)
+             p.frequency_penalty, p.penalty_window, float(flag))
         )  # fmt: skip
     return np.array(rows, dtype=np.float64).reshape(len(rows), PARAM_COUNT)
 
@@ -442,6 +458,19 @@ def sampling_launches(logits: Any, params: Any, rng: Any, window: Any, window_co
                 ws.counters, tokens, window, window_count, np.int32(ws.chunk)))
     )  # fmt: skip
     return launches
+
+
+def mask_launches(logits: Any, params: Any, mask: Any, workspace: SamplingWorkspace) -> list[Launch]:
+    """The allowed-token masks of the rows flagged P_MASKED applied to their logits in place (1 launch, before
+    `greedy_launches` or `sampling_launches`: it commutes with the penalties, which keep -inf at -inf).
+    mask uint32 [B, ceil(V / 32)], llguidance's bit layout."""
+    batch, vocab = check_array(logits, "logits", np.float32, 2)
+    if (batch, vocab) != (workspace.batch, workspace.vocab):
+        raise ValueError(f"logits {(batch, vocab)} do not match the workspace {(workspace.batch, workspace.vocab)}")
+    check_array(params, "params", np.float64, 2, (batch, PARAM_COUNT))
+    check_array(mask, "mask", np.uint32, 2, (batch, (vocab + 31) // 32))
+    ws = workspace
+    return [Launch(apply_mask, (ws.chunks, batch), THREADS, (logits, params, mask, np.int32(ws.chunk)))]
 
 
 def kept_threshold(workspace_state: np.ndarray) -> np.ndarray:

@@ -29,6 +29,7 @@ from cmpchat.server.schemas import (
     NamedToolChoice,
 )
 from cmpchat.server.settings import ServerSettings
+from cmpchat.server.structured import ANY_OBJECT, json_grammar, tool_call_grammar
 
 MAX_STOP_STRINGS = 16
 
@@ -48,25 +49,48 @@ class PreparedRequest:
 
 def prepare_chat(body: ChatCompletionRequest, model: Model, settings: ServerSettings) -> PreparedRequest:
     _refuse_unsupported(body)
-    if body.logprobs or body.top_logprobs:
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(
-            400,
-            f"response_format {body.response_format.type!r} is not supported (no constrained decoding); "
-            "ask for JSON in the prompt instead",
-            param="response_format",
-        )
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     messages = [_message(m, i) for i, m in enumerate(body.messages)]
     limit = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
-    generation = conversation_request(
-        model,
-        messages,
-        _options(body, settings, limit),
-        tools=_tools(body),
-        enable_thinking=_enable_thinking(body.chat_template_kwargs),
-    )
+    tools = _tools(body)
+    schema = _response_schema(body)
+    forced = tools is not None and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice))
+    if schema is not None and forced:
+        raise ApiError(400, "response_format and a forced tool_choice cannot be combined", param="response_format")
+    constrained = schema is not None or forced
+    if constrained and body.ignore_eos:
+        raise ApiError(400, "ignore_eos cannot be combined with structured output", param="ignore_eos")
+    thinking = _enable_thinking(body.chat_template_kwargs)
+    if constrained and thinking is None:
+        thinking = False  # a constrained reply answers at once unless the client asked it to think first
+    options = _options(body, settings, limit)
+    if body.logprobs:
+        options = dataclasses.replace(options, logprobs=body.top_logprobs or 0)
+    generation = conversation_request(model, messages, options, tools=tools, enable_thinking=thinking)
+    if constrained:
+        reasoning = generation.starts_in_reasoning
+        if schema is not None:
+            named = body.response_format is not None and body.response_format.type == "json_schema"
+            where = "response_format.json_schema.schema" if named else "response_format"
+            grammar = json_grammar(schema, model, thinking=reasoning, where=where)
+        else:
+            assert tools is not None
+            grammar = tool_call_grammar(tools, model, thinking=reasoning)
+        generation = dataclasses.replace(generation, options=dataclasses.replace(options, grammar=grammar))
     return PreparedRequest(generation, body.stream, _include_usage(body))
+
+
+def _response_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema the reply must follow; None for free text."""
+    response_format = body.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return ANY_OBJECT
+    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+        raise ApiError(400, "response_format.json_schema.schema: a JSON schema is required", param="response_format")
+    return response_format.json_schema.schema_
 
 
 def conversation_request(
@@ -106,12 +130,11 @@ def prepare_completion(body: CompletionRequest, model: Model, settings: ServerSe
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported by this server", param="suffix")
     if body.best_of is not None and body.best_of > 1:
         raise ApiError(400, "best_of > 1 is not supported by this server", param="best_of")
-    if body.logprobs is not None:
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
     tokens = _completion_prompt(body.prompt, model)
     check_context(tokens, model)
     limit = body.max_tokens or settings.default_completion_max_tokens
-    options = dataclasses.replace(_options(body, settings, limit), raw_text=True)  # completions return text as is
+    # Completions return text as is; `logprobs` is the count of most likely tokens to report (0: the chosen one).
+    options = dataclasses.replace(_options(body, settings, limit), raw_text=True, logprobs=body.logprobs)
     generation = GenerationRequest(tuple(tokens), options)
     return PreparedRequest(generation, body.stream, _include_usage(body))
 
@@ -238,8 +261,8 @@ def _tools(body: ChatCompletionRequest) -> list[Tool] | None:
     if not body.tools or body.tool_choice == "none":
         return None
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    # Without constrained decoding, "required" cannot force a call: it offers the tools as "auto" does,
-    # and a named choice offers only that tool.
+    # "required" and a named choice are enforced by a grammar (`prepare_chat`); a named choice offers only
+    # that tool.
     if isinstance(body.tool_choice, NamedToolChoice):
         name = body.tool_choice.function.name
         tools = [tool for tool in tools if tool["function"]["name"] == name]

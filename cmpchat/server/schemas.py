@@ -88,8 +88,16 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class GenerationFields(Body):
@@ -123,7 +131,7 @@ class ChatCompletionRequest(GenerationFields):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
 
 
@@ -132,7 +140,7 @@ class CompletionRequest(GenerationFields):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class TokenizeRequest(Body):

@@ -70,3 +70,16 @@ def test_penalties():
 def test_invalid_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_mask_limits_greedy_and_sampled_choices_to_its_ids():
+    from cmpchat.sampling import apply_mask, mask_words
+
+    mask = np.zeros(mask_words(4), np.uint32)
+    mask[0] = 0b1010  # ids 1 and 3
+    assert sample_token(LOGITS, SamplingParams(), [], np.random.default_rng(), mask) == 1
+    drawn = {
+        sample_token(LOGITS, SamplingParams(temperature=1.0), [], np.random.default_rng(i), mask) for i in range(200)
+    }
+    assert drawn == {1, 3}
+    np.testing.assert_array_equal(apply_mask(LOGITS, mask)[[0, 2]], [-np.inf, -np.inf])

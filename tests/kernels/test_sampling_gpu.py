@@ -14,13 +14,14 @@ from cmpchat.kernels.sampling import (
     SamplingWorkspace,
     greedy_launches,
     kept_threshold,
+    mask_launches,
     order_keys,
     pack_params,
     rng_state,
     sampling_launches,
     window_from_histories,
 )
-from cmpchat.sampling import SamplingParams, apply_penalties, filtered_candidates
+from cmpchat.sampling import SamplingParams, apply_penalties, filtered_candidates, mask_words
 
 pytestmark = pytest.mark.gpu
 
@@ -167,3 +168,47 @@ def test_selection_timing() -> None:
         sampled = time_launches(batch.sampled, repeats=50, warmup=3)
         print(f"B={rows}: greedy {greedy * 1e6:.1f} µs, sampled {sampled * 1e6:.1f} µs per step")
         assert greedy > 0 and sampled > 0
+
+
+def test_masked_rows_choose_within_their_masks_at_full_size() -> None:
+    """A grammar's mask at the real vocabulary: greedy rows pick the best allowed id, sampled rows an allowed one,
+    the unmasked row of the batch its plain argmax; prints the mask launch's µs (run with -s)."""
+    from numba import cuda
+
+    rng = np.random.default_rng(5)
+    rows = 4
+    logits = (rng.standard_normal((rows, VOCAB)) * 3).astype(np.float32)
+    allowed = rng.random((rows, VOCAB)) < 0.001
+    bits = np.zeros((rows, mask_words(VOCAB) * 32), np.uint8)
+    bits[:, :VOCAB] = allowed
+    masks = np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, top_k=20),
+        SamplingParams(temperature=0.7),
+        SamplingParams(),
+    ]
+    masked = [True, True, True, False]
+    window, count = window_from_histories([[] for _ in params], WIDTH)
+    device = {
+        "logits": cuda.to_device(logits),
+        "params": cuda.to_device(pack_params(params, WIDTH, masked)),
+        "masks": cuda.to_device(masks),
+        "rng": cuda.to_device(rng_state([1, 2, 3, 4])),
+        "window": cuda.to_device(window),
+        "count": cuda.to_device(count),
+        "tokens": cuda.to_device(np.zeros(rows, np.int32)),
+    }
+    workspace = SamplingWorkspace.allocate(rows, VOCAB)
+    applied = mask_launches(device["logits"], device["params"], device["masks"], workspace)
+    launches = applied + sampling_launches(
+        device["logits"], device["params"], device["rng"], device["window"], device["count"], device["tokens"],
+        workspace,
+    )  # fmt: skip
+    for launch in launches:
+        launch.run()
+    tokens = device["tokens"].copy_to_host()
+    assert tokens[0] == int(np.argmax(np.where(allowed[0], logits[0], -np.inf)))
+    assert allowed[1, tokens[1]] and allowed[2, tokens[2]]
+    assert tokens[3] == int(np.argmax(logits[3]))
+    print(f"apply_mask at B={rows}: {time_launches(applied, repeats=50, warmup=3) * 1e6:.1f} µs")

@@ -73,8 +73,9 @@ def test_malformed_bodies(scripted_server: LiveServer, body: bytes, fragment: st
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"chat_template_kwargs": {"enable_thinking": "maybe"}}, "chat_template_kwargs"),
         ({"n": 3}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
 def test_bad_parameters(scripted_server: LiveServer, fields: dict, param: str) -> None:

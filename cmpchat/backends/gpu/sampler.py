@@ -3,7 +3,9 @@
 Per batch size, the selection kernels (`cmpchat.kernels.sampling`) are captured once as two graphs,
 greedy (penalties + argmax) and sampled (the full filter chain and a Gumbel-max draw), over device
 buffers that each step refreshes: packed parameters, the recent-token window for the penalties and a
-Philox key. The key is drawn from the reply's own numpy generator every step, so a seeded reply is
+Philox key. A step with a grammar-constrained row uses a third or fourth graph (captured on first use) that
+applies the allowed-token masks first; only the constrained rows' masks are uploaded (one copy a row, from
+a pinned mirror), so unconstrained steps pay nothing. The key is drawn from the reply's own numpy generator every step, so a seeded reply is
 reproducible; draws are exact in distribution but not the numbers numpy would draw.
 
 A step's inputs lie in one device allocation (params | rng | window_count | window, typed views at 64-byte
@@ -19,7 +21,7 @@ decode step fed `Chosen` inputs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,12 +36,13 @@ from cmpchat.kernels.sampling import (
     PARAM_COUNT,
     SamplingWorkspace,
     greedy_launches,
+    mask_launches,
     pack_params,
     rng_state,
     sampling_launches,
     window_from_histories,
 )
-from cmpchat.sampling import SamplingParams
+from cmpchat.sampling import SamplingParams, mask_words
 
 if not SIMULATOR:
     from cuda.bindings import driver
@@ -83,6 +86,38 @@ class _PackedInputs:
         check("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync(device, host, nbytes, stream_handle(stream)))
 
 
+class _MaskInputs:
+    """The allowed-token masks of one batch size: uint32 [B, words] on the device with a pinned host mirror.
+    Only the rows of constrained selectors are written and uploaded, one copy each (31 KB a row at Qwen's
+    vocabulary); the event is recorded after the last copy, so the mirror is rewritten only once it has run."""
+
+    def __init__(self, batch: int, words: int) -> None:
+        self.host = cuda.pinned_array((batch, words), np.uint32)
+        self.host[:] = 0
+        self.device = cuda.to_device(self.host)
+        self.uploaded = ordering_event()
+        self._row_bytes = words * 4
+        self._pointers = (0, 0) if SIMULATOR else (self.device.device_ctypes_pointer.value, self.host.ctypes.data)
+
+    def upload(self, masks: Sequence[np.ndarray | None], stream: Any) -> None:
+        """Queue the copy of each given row's mask (rows with None keep whatever they hold: unread)."""
+        self.uploaded.synchronize()
+        for row, mask in enumerate(masks):
+            if mask is None:
+                continue
+            self.host[row] = mask
+            if SIMULATOR:
+                self.device[row].copy_to_device(self.host[row], stream=stream)
+            else:
+                device, host = self._pointers
+                offset = row * self._row_bytes
+                result = driver.cuMemcpyHtoDAsync(
+                    device + offset, host + offset, self._row_bytes, stream_handle(stream)
+                )
+                check("cuMemcpyHtoDAsync", result)
+        self.uploaded.record(stream)
+
+
 RING = 8
 """Selections of one batch size whose ids may be unread at once (the engine reads each one step later; decode
 groups and prompts that finish add a few)."""
@@ -103,11 +138,38 @@ class _Selection:
     uploaded: Any  # a CUDA event recorded after the last upload of `inputs`
     tokens: Any  # int32 [B] on the device, written by the kernels: the first B rows of the step's token input
     fetches: list[_Fetch]
-    greedy: StepLaunches
-    sampled: StepLaunches
-    packed_params: tuple[SamplingParams, ...] | None = None
-    """The settings last packed into the staged parameters (settings rarely change between steps)."""
+    logits: Any
+    workspace: SamplingWorkspace
+    stream: Any
+    use_graphs: bool
+    graphs: dict[tuple[bool, bool], StepLaunches] = field(default_factory=dict)
+    """The captured selections by (greedy, masked), made on first use: an unconstrained step never runs
+    `apply_mask`, so it costs nothing when no row has a grammar."""
+    masks: _MaskInputs | None = None
+    packed_params: tuple[tuple[SamplingParams, ...], tuple[bool, ...]] | None = None
+    """The settings and mask flags last packed into the staged parameters (they rarely change between steps)."""
     turn: int = 0
+
+    def graph(self, greedy: bool, masked: bool) -> StepLaunches:
+        key = (greedy, masked)
+        if key not in self.graphs:
+            views = self.inputs.views
+            params, window, count = views["params"], views["window"], views["window_count"]
+            if greedy:
+                launches = greedy_launches(self.logits, params, window, count, self.tokens, self.workspace)
+            else:
+                launches = sampling_launches(
+                    self.logits, params, views["rng"], window, count, self.tokens, self.workspace
+                )
+            if masked:
+                launches = mask_launches(self.logits, params, self.mask_inputs().device, self.workspace) + launches
+            self.graphs[key] = StepLaunches(launches, self.stream, self.use_graphs)
+        return self.graphs[key]
+
+    def mask_inputs(self) -> _MaskInputs:
+        if self.masks is None:
+            self.masks = _MaskInputs(self.workspace.batch, mask_words(self.workspace.vocab))
+        return self.masks
 
     @property
     def width(self) -> int:
@@ -173,10 +235,14 @@ class GpuSampler:
         params: Sequence[SamplingParams],
         histories: Sequence[Sequence[int]],
         rngs: Sequence[np.random.Generator],
+        allowed: Sequence[np.ndarray | None] | None = None,
     ) -> GpuChoice:
         """Queue the choice of a token for each row of `logits` (a device [B, V] array); returns at once. The
-        penalties edit the rows they read."""
+        penalties and masks edit the rows they read. `allowed` holds each row's packed allowed-token mask (None:
+        any token); a step with a mask uploads the masked rows' masks and runs `apply_mask` first."""
         batch = len(params)
+        masks = list(allowed) if allowed is not None else [None] * batch
+        masked = tuple(mask is not None for mask in masks)
         width = max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
         rows = self.logits_rows[:batch]
         if _address(logits) != _address(rows):
@@ -189,9 +255,9 @@ class GpuSampler:
         staged = inputs.staged
         selection.uploaded.synchronize()  # the mirror's last copy has run (at once, in the engine's order)
         last = None
-        settings = tuple(params)
+        settings = (tuple(params), masked)
         if settings != selection.packed_params:
-            staged["params"][:] = pack_params(params, width)
+            staged["params"][:] = pack_params(params, width, masked)
             selection.packed_params = settings
             last = "params"
         if not greedy:  # greedy_launches read no Philox key
@@ -206,7 +272,9 @@ class GpuSampler:
         if last is not None:  # the device keeps the parameters of the last upload
             inputs.upload(inputs.end[last], stream)
             selection.uploaded.record(stream)
-        (selection.greedy if greedy else selection.sampled).run(stream)
+        if any(masked):
+            selection.mask_inputs().upload(masks, stream)
+        selection.graph(greedy, any(masked)).run(stream)
         return GpuChoice(selection.queue_fetch(stream))
 
     def _selection(self, logits: Any, batch: int, width: int) -> _Selection:
@@ -224,17 +292,15 @@ class GpuSampler:
                 ("window", (batch, width), np.int32),
             ]
         )
-        params, rng, window_count, window = (inputs.views[name] for name in ("params", "rng", "window_count", "window"))
-        tokens = self.token_rows[:batch]
-        greedy = greedy_launches(logits, params, window, window_count, tokens, workspace)
-        sampled = sampling_launches(logits, params, rng, window, window_count, tokens, workspace)
         selection = _Selection(
             inputs,
             ordering_event(),
-            tokens,
+            self.token_rows[:batch],
             [_Fetch(cuda.pinned_array(batch, np.int32), ordering_event()) for _ in range(RING)],
-            StepLaunches(greedy, self.stream, self.use_graphs),
-            StepLaunches(sampled, self.stream, self.use_graphs),
+            logits,
+            workspace,
+            self.stream,
+            self.use_graphs,
         )
         self._by_batch[batch] = selection
         return selection
