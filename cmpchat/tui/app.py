@@ -242,7 +242,8 @@ class CmpchatApp(App[None]):
             self.log.warning(f"could not save the app state: {err}")
 
     def action_help(self) -> None:
-        bindings = [*ChatScreen.BINDINGS, *PromptArea.BINDINGS[-2:], *ChatRows.BINDINGS, *self.BINDINGS]
+        prompt_keys = [b for b in PromptArea.BINDINGS if isinstance(b, Binding) and (b.id or "").startswith("prompt.")]
+        bindings = [*ChatScreen.BINDINGS, *prompt_keys, *ChatRows.BINDINGS, *self.BINDINGS]
         self.push_screen(HelpScreen(binding_rows(bindings, self.settings.keymap), str(settings_path())))
 
     # -- the command palette --------------------------------------------------------------------

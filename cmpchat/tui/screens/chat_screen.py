@@ -118,7 +118,7 @@ class ChatScreen(Screen[None]):
                 yield LoadProgress(id="load-progress")
                 yield Conversation(id="conversation")
                 yield AttachmentBar(id="attachments")
-                yield PromptArea(id="prompt")
+                yield PromptArea(sent=self._sent_texts, id="prompt")
             with Vertical(id="side-panel"):
                 yield SpeedPanel(id="speed").data_bind(stats=ChatScreen.speed)
                 yield GpuPanel(id="gpus")
@@ -137,6 +137,9 @@ class ChatScreen(Screen[None]):
         prompt.border_title = "message"
         prompt.border_subtitle = self._prompt_subtitle()
         prompt.focus()
+
+    def _sent_texts(self) -> list[str]:
+        return [m.content for m in self.session.messages if m.role == "user" and m.content]
 
     def _prompt_subtitle(self) -> str:
         return f"thinking {'on' if self.thinking else 'off'} · ^P commands · F1 keys"
@@ -493,6 +496,7 @@ class ChatScreen(Screen[None]):
         session = self.session
         self.query_one(TitleBar).chat_title = session.chat.title if session.chat else ""
         await self.query_one(Conversation).show(session.messages, session.images.path)
+        self.query_one(PromptArea).sent_history.reset()  # Up now goes through this chat's messages
         self.speed = replace(self.speed, context_used=0, generated=0, first_token_seconds=None)
         self.refresh_chat_lists()
         self._count_context()

@@ -63,6 +63,8 @@ _NAMES = {
     "enter": "Enter",
     "delete": "Del",
     "slash": "/",
+    "up": "Up",
+    "down": "Down",
 }
 
 

@@ -1,4 +1,5 @@
-"""The prompt: a multi-line text area (Enter sends, Ctrl+J adds a line) and the images attached to it.
+"""The prompt: a multi-line text area (Enter sends, Ctrl+J adds a line, Up and Down on its first and last
+lines go through the messages sent before) and the images attached to it.
 
 Keys that terminals disagree on: Shift+Enter reaches the app only with the kitty keyboard protocol,
 so Ctrl+J (a plain line feed everywhere) and Alt+Enter (ESC CR) are the new-line keys that always work.
@@ -6,6 +7,7 @@ so Ctrl+J (a plain line feed everywhere) and Alt+Enter (ESC CR) are the new-line
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from textual.app import ComposeResult
@@ -17,6 +19,7 @@ from textual.strip import Strip
 from textual.widgets import Static, TextArea
 
 from cmpchat.history.images import StoredImage
+from cmpchat.tui.prompt_history import PromptHistory
 
 PLACEHOLDER = "Enter send · Ctrl+J new line · Ctrl+O image · Esc stop"
 
@@ -43,7 +46,23 @@ class PromptArea(TextArea, inherit_bindings=False):
     """
 
     BINDINGS = [
-        *_without_keys(TextArea.BINDINGS, {"ctrl+e", "ctrl+x"}),
+        *_without_keys(TextArea.BINDINGS, {"ctrl+e", "ctrl+x", "up", "down"}),
+        Binding(
+            "up",
+            "cursor_up",
+            "earlier",
+            id="prompt.earlier",
+            show=False,
+            tooltip="On the first line: the message sent before (again: earlier ones)",
+        ),
+        Binding(
+            "down",
+            "cursor_down",
+            "later",
+            id="prompt.later",
+            show=False,
+            tooltip="On the last line: the message sent after, then back to the draft",
+        ),
         Binding("enter", "submit", "send", id="prompt.send", priority=True, show=False, tooltip="Send the message"),
         Binding(
             "ctrl+j,alt+enter,shift+enter", "newline", "new line", id="prompt.newline", show=False, tooltip="New line"
@@ -61,7 +80,9 @@ class PromptArea(TextArea, inherit_bindings=False):
         def control(self) -> PromptArea:
             return self.prompt_area
 
-    def __init__(self, *, id: str | None = None) -> None:
+    def __init__(self, *, sent: Callable[[], list[str]], id: str | None = None) -> None:
+        """`sent` gives the messages sent in the open chat, oldest first, for Up and Down."""
+        self.sent_history = PromptHistory(sent)
         super().__init__(
             id=id,
             soft_wrap=True,
@@ -89,6 +110,7 @@ class PromptArea(TextArea, inherit_bindings=False):
     def _submit(self) -> None:
         text = self.text
         self.clear()
+        self.sent_history.reset()
         self.post_message(self.Submitted(self, text))
 
     def restore(self, text: str) -> None:
@@ -97,6 +119,28 @@ class PromptArea(TextArea, inherit_bindings=False):
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def action_cursor_up(self, select: bool = False) -> None:
+        # Only from the top row: above it Up moves the cursor, so a message of several lines stays editable.
+        if not select and self.navigator.is_first_wrapped_line(self.cursor_location):
+            recalled = self.sent_history.back(self.text)
+            if recalled is not None:
+                self._show(recalled)
+                return
+        super().action_cursor_up(select)
+
+    def action_cursor_down(self, select: bool = False) -> None:
+        if not select and self.navigator.is_last_wrapped_line(self.cursor_location):
+            recalled = self.sent_history.forward(self.text)
+            if recalled is not None:
+                self._show(recalled)
+                return
+        super().action_cursor_down(select)
+
+    def _show(self, text: str) -> None:
+        # An edit rather than `text = ...`, which would empty the undo history (Ctrl+Z brings the text back).
+        self.replace(text, (0, 0), self.document.end, maintain_selection_offset=False)
+        self.move_cursor(self.document.end)
 
 
 @dataclass(frozen=True, slots=True)
