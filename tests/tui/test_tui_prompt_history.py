@@ -83,6 +83,8 @@ async def test_up_and_down_move_between_the_lines_of_a_message_before_recalling(
         assert prompt.cursor_location[0] == 0 and prompt.text == "sent line one\nsent line two"
         await pilot.press("down", "down")
         assert prompt.text == "draft one\ndraft two"
+        await pilot.press("up", "up", "ctrl+z")
+        assert prompt.text == "draft one\ndraft two"  # a recall is an edit: undo gives the draft back
         await pilot.press("shift+up", "shift+up")
         assert prompt.text == "draft one\ndraft two" and prompt.selected_text  # selecting never recalls
 
