@@ -13,6 +13,9 @@ step that consumes a token before the host has read it:
 
 KV caches live in a shared pool of pages (`kv_pool`); `pool` says how full it is, so the engine can admit,
 grow and preempt sequences before a step would run out of pages. Sequences are the backend's own type `S`.
+
+Images enter a prompt step as rows of hidden states (`ImageRows`, the vision encoder's output) that replace
+the embeddings of their `<|image_pad|>` tokens, with the prompt's (t, h, w) positions (`prefill_with_images`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import ClassVar, Generic, TypeVar
 import numpy as np
 
 from cmpchat.backends.kv_pool import PagePool
+from cmpchat.errors import CmpchatError
 from cmpchat.model.config import ModelConfig
 from cmpchat.sampling import SamplingParams, TokenLogprobs, sample_token, token_logprobs
 
@@ -103,6 +107,16 @@ class Chosen:
 TokenInput = int | Chosen
 
 
+@dataclass(frozen=True, slots=True)
+class ImageRows:
+    """Hidden-state rows that stand in for the embeddings of a step's tokens `start .. start + len(rows)`."""
+
+    start: int
+    """Index of the first replaced token within the step's tokens."""
+    rows: np.ndarray
+    """float32 [tokens, hidden size]: an image's merged tokens (or a run of them, where a chunk cuts it)."""
+
+
 def host_tokens(inputs: Sequence[TokenInput]) -> list[int]:
     """The ids of decode inputs, waiting for the selections they come from."""
     return [item if isinstance(item, int) else item.selection.tokens()[item.row] for item in inputs]
@@ -137,6 +151,8 @@ class Backend(ABC, Generic[S]):
     """Tokens one sequence may hold at most."""
     decode_groups: int = 1
     """Decode steps of different sequence groups the backend can have in flight at once (pipeline stages)."""
+    reads_images: ClassVar[bool] = False
+    """Whether `prefill_with_images` takes image rows (else it refuses them)."""
 
     # -- sequences --------------------------------------------------------------------------------
 
@@ -179,6 +195,16 @@ class Backend(ABC, Generic[S]):
 
         `positions` gives (t, h, w) multimodal RoPE positions [T, 3]; by default text positions follow on.
         """
+
+    def prefill_with_images(
+        self, sequence: S, tokens: Sequence[int], *, positions: np.ndarray, images: Sequence[ImageRows]
+    ) -> Logits:
+        """Queue reading `tokens` with their (t, h, w) `positions` [T, 3], each of `images` in place of its
+        tokens' embeddings; the logits after the last token (one row). The sequence's next text position is
+        then one past the largest position read. A backend without an image path refuses in one line."""
+        raise CmpchatError(
+            f"the {self.name} backend cannot read images yet; use the CPU reference backend (--backend cpu)"
+        )
 
     @abstractmethod
     def decode(self, sequences: Sequence[S], tokens: Sequence[TokenInput]) -> Logits:

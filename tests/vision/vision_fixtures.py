@@ -13,6 +13,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vision"
 ORACLE = FIXTURES.parent / "oracle"
 MMPROJ_F32 = FIXTURES / "tiny_vision.f32.gguf"
 MMPROJ_F16 = FIXTURES / "tiny_vision.f16.gguf"
+TEXT_F32 = FIXTURES / "tiny_vision_text.f32.gguf"
+"""The text half of the checkpoint the mmproj files come from: tiny_tied with the vision tokens."""
 
 
 @cache

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cmpchat.backends.base import Backend, HostLogits, TokenInput, host_tokens
+from cmpchat.backends.base import Backend, HostLogits, ImageRows, TokenInput, host_tokens
 from cmpchat.backends.kv_pool import PageList, PagePool, PoolExhausted
 from cmpchat.backends.reference.attention import GatedAttention, PagedKv
 from cmpchat.backends.reference.gated_deltanet import GatedDeltaNet, RecurrentState
@@ -47,6 +47,8 @@ class _Segment:
     past: int = 0
     """Tokens the sequence had read before this segment."""
     rows: slice = field(default_factory=lambda: slice(0))
+    images: Sequence[ImageRows] = ()
+    """Rows that replace the embeddings of some of its tokens."""
 
 
 class FeedForward:
@@ -106,6 +108,7 @@ class ReferenceBackend(Backend[ReferenceSequence]):
 
     name = "cpu"
     max_batch = 16
+    reads_images = True
 
     def __init__(
         self,
@@ -201,6 +204,18 @@ class ReferenceBackend(Backend[ReferenceSequence]):
         hidden = self._forward([self._segment(sequence, tokens, positions)])
         return HostLogits(self._logits(hidden[-1:]))
 
+    def prefill_with_images(
+        self,
+        sequence: ReferenceSequence,
+        tokens: Sequence[int],
+        *,
+        positions: np.ndarray,
+        images: Sequence[ImageRows],
+    ) -> HostLogits:
+        segment = self._segment(sequence, tokens, positions)
+        segment.images = _checked_images(images, len(segment.tokens), self.config.hidden_size)
+        return HostLogits(self._logits(self._forward([segment])[-1:]))
+
     def score(self, sequence: ReferenceSequence, tokens: Sequence[int]) -> np.ndarray:
         return self._logits(self._forward([self._segment(sequence, tokens, None)]))
 
@@ -249,6 +264,8 @@ class ReferenceBackend(Backend[ReferenceSequence]):
         start = 0
         for seg in segments:
             seg.rows = slice(start, start + len(seg.tokens))
+            for image in seg.images:
+                x[start + image.start : start + image.start + len(image.rows)] = image.rows
             start += len(seg.tokens)
             for copy in seg.sequence.pages.grow(len(seg.tokens)):
                 self.kv.copy_page(self.config.attention_layers, copy.source, copy.target, copy.tokens)
@@ -264,6 +281,20 @@ class ReferenceBackend(Backend[ReferenceSequence]):
     def linears(self) -> list[Linear]:
         """Every weight matrix the model multiplies by, the LM head last."""
         return [linear for layer in self.layers for linear in layer.linears()] + [self.lm_head]
+
+
+def _checked_images(images: Sequence[ImageRows], tokens: int, hidden_size: int) -> list[ImageRows]:
+    """The images sorted by start; each must lie inside the step, apart from the others, `hidden_size` wide."""
+    ordered = sorted(images, key=lambda image: image.start)
+    end = 0
+    for image in ordered:
+        if image.rows.ndim != 2 or image.rows.shape[1] != hidden_size:
+            raise ValueError(f"image rows of shape {image.rows.shape}; the model's hidden size is {hidden_size}")
+        if image.start < end or image.start + len(image.rows) > tokens:
+            raise ValueError(f"image rows at {image.start}..{image.start + len(image.rows)} overlap or leave the "
+                             f"step's {tokens} tokens")  # fmt: skip
+        end = image.start + len(image.rows)
+    return ordered
 
 
 def _check_live(sequence: ReferenceSequence) -> None:
