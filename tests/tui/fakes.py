@@ -41,6 +41,7 @@ class Call:
     messages: list[Message]
     enable_thinking: bool | None
     max_tokens: int | None
+    temperature: float | None = None
 
 
 @dataclass
@@ -86,7 +87,8 @@ class ScriptedModel:
         enable_thinking: bool | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[GenerationEvent]:
-        self.calls.append(Call(list(messages), enable_thinking, getattr(options, "max_tokens", None)))
+        temperature = options.sampling.temperature if options is not None else None
+        self.calls.append(Call(list(messages), enable_thinking, getattr(options, "max_tokens", None), temperature))
         return self._events(enable_thinking, cancel)
 
     def _events(self, thinking: bool | None, cancel: threading.Event | None) -> Iterator[GenerationEvent]:

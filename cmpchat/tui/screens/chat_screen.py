@@ -25,10 +25,12 @@ from cmpchat.errors import CmpchatError
 from cmpchat.tui.model_request import ChatModel, context_limit, model_sees_images
 from cmpchat.tui.reply_run import ReplyRun, UpdatePacer
 from cmpchat.tui.reply_stream import ReplyUpdate, run_generation
-from cmpchat.tui.screens import dialog_flows
+from cmpchat.tui.screens import dialog_flows, slash_flows
 from cmpchat.tui.screens.dialogs import ConfirmDialog
 from cmpchat.tui.screens.overlays import ChatListScreen, GpuScreen
 from cmpchat.tui.session import ChatSession, ReplyStats
+from cmpchat.tui.slash_commands import CommandCall
+from cmpchat.tui.slash_commands import parse as parse_slash
 from cmpchat.tui.widgets.chat_list import ChatList
 from cmpchat.tui.widgets.conversation import Conversation
 from cmpchat.tui.widgets.gpu_panel import GpuPanel
@@ -203,6 +205,12 @@ class ChatScreen(Screen[None]):
         if not text and not self.attachments:
             prompt.restore(event.text)
             return
+        parsed = parse_slash(text)
+        if isinstance(parsed, CommandCall):
+            if not await slash_flows.run_command(self, parsed):
+                prompt.restore(event.text)
+            return
+        text = parsed
         if self.generating:
             self.notify("A reply is being written: Esc stops it.", severity="warning")
             prompt.restore(event.text)

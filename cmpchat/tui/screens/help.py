@@ -11,6 +11,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, Static
 
+from cmpchat.tui.slash_commands import command_list
+
 
 def binding_rows(bindings: Iterable[BindingType], keymap: Mapping[str, str]) -> list[tuple[str, str, str]]:
     """(keys, what, id) for every binding with an id, with the keymap's overrides applied."""
@@ -46,7 +48,8 @@ class HelpScreen(ModalScreen[None]):
             yield table
             yield Static(
                 f'Change keys in {self.config_file} under [keymap], e.g. "chat.export" = "ctrl+x,f9". '
-                "Ctrl+P opens the command palette (themes, and every action).",
+                "Ctrl+P opens the command palette (themes, and every action). "
+                f"In the message box, / starts a command: {command_list()}.",
                 classes="dialog-hint",
                 markup=False,
             )
@@ -65,6 +68,7 @@ _NAMES = {
     "slash": "/",
     "up": "Up",
     "down": "Down",
+    "tab": "Tab",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from textual.actions import SkipAction
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
@@ -20,6 +21,7 @@ from textual.widgets import Static, TextArea
 
 from cmpchat.history.images import StoredImage
 from cmpchat.tui.prompt_history import PromptHistory
+from cmpchat.tui.slash_commands import completion
 
 PLACEHOLDER = "Enter send · Ctrl+J new line · Ctrl+O image · Esc stop"
 
@@ -63,6 +65,7 @@ class PromptArea(TextArea, inherit_bindings=False):
             show=False,
             tooltip="On the last line: the message sent after, then back to the draft",
         ),
+        Binding("tab", "complete", "complete", id="prompt.complete", show=False, tooltip="Complete the slash command"),
         Binding("enter", "submit", "send", id="prompt.send", priority=True, show=False, tooltip="Send the message"),
         Binding(
             "ctrl+j,alt+enter,shift+enter", "newline", "new line", id="prompt.newline", show=False, tooltip="New line"
@@ -119,6 +122,16 @@ class PromptArea(TextArea, inherit_bindings=False):
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def update_suggestion(self) -> None:
+        # TextArea's hook after every edit: the rest of a slash command's name, shown dimmed after the cursor.
+        at_end = self.cursor_location == self.document.end
+        self.suggestion = completion(self.text) if at_end else ""
+
+    def action_complete(self) -> None:
+        if not self.suggestion:
+            raise SkipAction()  # Tab then moves the focus, as everywhere else
+        self.insert(self.suggestion)
 
     def action_cursor_up(self, select: bool = False) -> None:
         # Only from the top row: above it Up moves the cursor, so a message of several lines stays editable.
