@@ -252,7 +252,9 @@ class Engine(Generic[S]):
         while (item := self._next_to_admit()) is not None:
             if not self.backend.free_sequences:
                 self.prefix_cache.evict_oldest()  # the least recently used state, to make the one it needs
-            hit = self.prefix_cache.lookup(item.tokens) if self.backend.free_sequences else None
+            hit = (
+                self.prefix_cache.lookup(item.tokens, item.request.image_marks) if self.backend.free_sequences else None
+            )
             resumed = hit.length if hit is not None else 0
             # The prompt's pages must fit beside what runs; saved states give way (a waiting request never
             # preempts a running one).
@@ -409,9 +411,13 @@ class Engine(Generic[S]):
         to the reply."""
         try:
             token = chosen.selection.tokens()[chosen.row]
-            logprobs = chosen.selection.logprobs()[chosen.row] if item.reply.options.logprobs is not None else None
+            asked = item.reply.options.logprobs is not None
+            logprobs = chosen.selection.logprobs()[chosen.row] if asked else None
         except Exception as err:
             self._fail([item], _describe(err))
+            return
+        if asked and logprobs is None:
+            self._fail([item], f"the {self.backend.name} backend did not report the log-probabilities asked for")
             return
         now = time.perf_counter()
         if item.first_token_at is None:
@@ -442,9 +448,9 @@ class Engine(Generic[S]):
             if not self._make_room(room, keep=item):
                 continue  # older requests hold the pool; this one waits for them (or is preempted by them)
             try:
-                logits = self.backend.prefill(item.sequence, item.tokens[item.fed : end])
+                logits = self._prefill_step(item, end)
                 if end in self.scheduler.save_points(item) and end < len(item.tokens) and self.backend.free_sequences:
-                    self.prefix_cache.save(item.tokens[:end], item.sequence)
+                    self.prefix_cache.save(item.tokens[:end], item.sequence, item.request.image_marks)
             except Exception as err:
                 self._fail([item], _describe(err))
                 continue
@@ -466,6 +472,14 @@ class Engine(Generic[S]):
                 item.prompt_done_at = now
                 self._emit(item, [PromptProgress(len(item.prompt), len(item.prompt), item.prompt_rate(now))])
 
+    def _prefill_step(self, item: ActiveRequest, end: int) -> Logits:
+        tokens = item.tokens[item.fed : end]
+        images = item.request.images
+        if images is None:
+            return self.backend.prefill(item.sequence, tokens)
+        positions, rows = images.step_inputs(item.fed, end)
+        return self.backend.prefill_with_images(item.sequence, tokens, positions=positions, images=rows)
+
     # -- endings and events -----------------------------------------------------------------------
 
     def _finish(self, items: Sequence[ActiveRequest], *, cancelled: bool) -> None:
@@ -483,7 +497,7 @@ class Engine(Generic[S]):
                 # The state after everything the reply's sequence read: the next turn of a conversation that
                 # repeats this one verbatim resumes from it.
                 sequence, item.sequence = item.sequence, None
-                self.prefix_cache.keep(item.tokens[: item.fed], sequence)
+                self.prefix_cache.keep(item.tokens[: item.fed], sequence, item.request.image_marks)
             else:
                 self._release_sequence(item)
 

@@ -26,7 +26,7 @@ Exactness caveats: tokens with bit-identical logits exactly at a cut are all kep
 them, in an order its argpartition leaves unspecified); probabilities are fp32 exp, so a token within
 ~1e-7 (relative) of the top-p or min-p boundary may fall on the other side; uniforms have 23 bits.
 
-Device-resident state the backend owns (helpers below build the host copies): params float64 [B, 9]
+Device-resident state the backend owns (helpers below build the host copies): params float64 [B, 10]
 (`pack_params`), rng uint32 [B, 4] (seed, seed, draw number, unused; `rng_state`), window int32 [B, W] a
 ring of the last tokens with window_count int32 [B] tokens ever appended (`window_from_histories`), the
 output tokens int32 [B], and a `SamplingWorkspace` (scratch, allocated once per batch size).
@@ -57,8 +57,10 @@ TICKETS = 2 + RADIX_PASSES  # last-block tickets per row: row_max, each radix pa
 TICKET_ROW_MAX, TICKET_DRAW = 0, 1 + RADIX_PASSES
 MASS_SCALE = 2.0**40  # fixed-point unit of exp(z - zmax) <= 1; V * 2^40 < 2^58 fits uint64
 
-P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_REPETITION, P_PRESENCE, P_FREQUENCY, P_WINDOW, P_MASKED = range(9)
-PARAM_COUNT = 9
+P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_REPETITION, P_PRESENCE, P_FREQUENCY, P_WINDOW, P_MASKED, P_LOGPROBS = range(
+    10
+)
+PARAM_COUNT = 10
 # radix_state columns: per cut (0 top-k, 1 top-p) at 4 * cut: key prefix, count above, mass above, target.
 STATE_COLUMNS = 8
 NO_INDEX = 0x7FFFFFFF
@@ -367,18 +369,23 @@ class SamplingWorkspace:
 
 
 def pack_params(
-    params: Sequence[SamplingParams], window_width: int, masked: Sequence[bool] | None = None
+    params: Sequence[SamplingParams],
+    window_width: int,
+    masked: Sequence[bool] | None = None,
+    logprobs: Sequence[int | None] | None = None,
 ) -> np.ndarray:
     """float64 [B, PARAM_COUNT] device copy of each sequence's sampling parameters (the column order of P_*);
-    `masked` says which rows `apply_mask` constrains (none by default)."""
+    `masked` says which rows `apply_mask` constrains (none by default), `logprobs` how many most likely tokens
+    each row reports (None: no report; -1 in the column)."""
     flags = masked if masked is not None else [False] * len(params)
+    reports = logprobs if logprobs is not None else [None] * len(params)
     rows = []
-    for p, flag in zip(params, flags, strict=True):
+    for p, flag, report in zip(params, flags, reports, strict=True):
         if p.has_penalties and p.penalty_window > window_width:
             raise ValueError(f"penalty_window {p.penalty_window} exceeds the device window of {window_width} tokens")
         rows.append(
             (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-             p.frequency_penalty, p.penalty_window, float(flag))
+             p.frequency_penalty, p.penalty_window, float(flag), -1.0 if report is None else float(report))
         )  # fmt: skip
     return np.array(rows, dtype=np.float64).reshape(len(rows), PARAM_COUNT)
 

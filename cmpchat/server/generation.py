@@ -48,7 +48,8 @@ async def serve(
 ) -> Response:
     """Submit `prepared`; stream it through `writer(outcome)` or answer `body(outcome)` once it is done."""
     stream = runtime.open(prepared.generation)
-    outcome = Outcome(prepared.prompt_tokens)
+    asked = prepared.generation.options.logprobs is not None
+    outcome = Outcome(prepared.prompt_tokens, logprobs=[] if asked else None)
     if prepared.stream:
         events = _event_stream(stream, writer(outcome))
         return StreamingResponse(events, media_type="text/event-stream", headers=STREAM_HEADERS)

@@ -16,7 +16,9 @@ from typing import Any, Literal
 from cmpchat.chat.messages import ToolCall
 from cmpchat.engine.events import ContentDelta, Finished, ReasoningDelta, ToolCallEvent
 from cmpchat.engine.request import EngineEvent, Failed, Started
+from cmpchat.sampling import TokenLogprobs
 from cmpchat.server.errors import error_body
+from cmpchat.server.logprobs import LogprobShapes
 
 Kind = Literal["chat", "text"]
 _PREFIX: dict[Kind, str] = {"chat": "chatcmpl-", "text": "cmpl-"}
@@ -32,6 +34,8 @@ class Outcome:
     queue_seconds: float = 0.0
     finished: Finished | None = None
     failure: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    """Every generated token's log-probabilities, when the request asked for them (else None)."""
 
     @property
     def done(self) -> bool:
@@ -44,6 +48,8 @@ class Outcome:
             self.finished = event
         elif isinstance(event, Failed):
             self.failure = event.message
+        elif isinstance(event, TokenLogprobs) and self.logprobs is not None:
+            self.logprobs.append(event)
 
     def error(self) -> tuple[int, str] | None:
         """(status, message) when the request did not finish normally."""
@@ -124,7 +130,7 @@ class ResponseHeader:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def chat_completion_body(header: ResponseHeader, outcome: Outcome) -> dict[str, Any]:
+def chat_completion_body(header: ResponseHeader, outcome: Outcome, shapes: LogprobShapes) -> dict[str, Any]:
     finished = outcome.finished
     assert finished is not None
     message: dict[str, Any] = {"role": "assistant", "content": finished.content or None}
@@ -134,11 +140,12 @@ def chat_completion_body(header: ResponseHeader, outcome: Outcome) -> dict[str, 
         message["tool_calls"] = [tool_call_object(event.call) for event in finished.tool_calls]
     elif message["content"] is None:
         message["content"] = ""
-    choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished), "logprobs": None}
+    logprobs = None if outcome.logprobs is None else shapes.chat(outcome.logprobs)
+    choice = {"index": 0, "message": message, "finish_reason": finish_reason(finished), "logprobs": logprobs}
     return {**header.fields(chunk=False), "choices": [choice], "usage": outcome.usage(), "timings": outcome.timings()}
 
 
-def text_completion_body(header: ResponseHeader, outcome: Outcome) -> dict[str, Any]:
+def text_completion_body(header: ResponseHeader, outcome: Outcome, shapes: LogprobShapes) -> dict[str, Any]:
     finished = outcome.finished
     assert finished is not None
     # Without a chat template there is no reasoning block to split off: it is part of the text.
@@ -146,7 +153,7 @@ def text_completion_body(header: ResponseHeader, outcome: Outcome) -> dict[str, 
         "index": 0,
         "text": finished.reasoning + finished.content,
         "finish_reason": finish_reason(finished),
-        "logprobs": None,
+        "logprobs": None if outcome.logprobs is None else shapes.completion(outcome.logprobs, 0),
     }
     return {**header.fields(chunk=False), "choices": [choice], "usage": outcome.usage(), "timings": outcome.timings()}
 
@@ -156,11 +163,15 @@ class ChunkWriter:
     the first chat chunk carries the role, all share one id, the last one with choices carries the
     finish reason and timings, then a usage chunk if asked for, then `[DONE]`."""
 
-    def __init__(self, header: ResponseHeader, outcome: Outcome, *, include_usage: bool) -> None:
+    def __init__(self, header: ResponseHeader, outcome: Outcome, shapes: LogprobShapes, *, include_usage: bool) -> None:
         self.header = header
         self.outcome = outcome
+        self.shapes = shapes
         self.include_usage = include_usage
         self._tool_calls = 0
+        self._unsent: list[TokenLogprobs] = []
+        """Log-probabilities of tokens whose text has not gone out yet (held back by the parser or stop rules)."""
+        self._text_offset = 0
 
     def opening(self) -> list[str]:
         if self.header.kind == "chat":
@@ -169,21 +180,26 @@ class ChunkWriter:
 
     def feed(self, events: Sequence[EngineEvent]) -> list[str]:
         out: list[str] = []
-        for delta in self._deltas(events):
-            out.append(self._chunk(delta))
+        for delta, logprobs in self._deltas(events):
+            out.append(self._chunk(delta, logprobs=logprobs))
         for event in events:
             self.outcome.absorb(event)
         if self.outcome.done:
             out.extend(self._closing())
         return out
 
-    def _deltas(self, events: Sequence[EngineEvent]) -> list[dict[str, Any]]:
-        """One delta per run of same-kind text, one per tool call."""
-        deltas: list[dict[str, Any]] = []
+    def _deltas(self, events: Sequence[EngineEvent]) -> list[tuple[dict[str, Any], list[TokenLogprobs]]]:
+        """One delta per run of same-kind text, one per tool call; each with the log-probabilities of the tokens
+        whose text it is the first to carry."""
+        deltas: list[tuple[dict[str, Any], list[TokenLogprobs]]] = []
         for event in events:
+            if isinstance(event, TokenLogprobs):
+                if self.outcome.logprobs is not None:
+                    self._unsent.append(event)
+                continue
             if isinstance(event, ToolCallEvent):
                 if self.header.kind == "chat":
-                    deltas.append({"tool_calls": [tool_call_object(event.call, self._tool_calls)]})
+                    deltas.append(({"tool_calls": [tool_call_object(event.call, self._tool_calls)]}, self._take()))
                     self._tool_calls += 1
                 continue
             if not isinstance(event, ReasoningDelta | ContentDelta):
@@ -191,17 +207,35 @@ class ChunkWriter:
             key = "reasoning_content" if isinstance(event, ReasoningDelta) else "content"
             if self.header.kind == "text":
                 key = "text"
-            if deltas and set(deltas[-1]) == {key}:
-                deltas[-1][key] += event.text
+            if deltas and set(deltas[-1][0]) == {key}:
+                deltas[-1][0][key] += event.text
+                deltas[-1][1].extend(self._take())
             else:
-                deltas.append({key: event.text})
+                deltas.append(({key: event.text}, self._take()))
         return deltas
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+    def _take(self) -> list[TokenLogprobs]:
+        taken, self._unsent = self._unsent, []
+        return taken
+
+    def _chunk(
+        self,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+        **extra: Any,
+    ) -> str:
+        shaped = None
+        if self.outcome.logprobs is not None:
+            if self.header.kind == "chat":
+                shaped = self.shapes.chat(logprobs or [])
+            else:
+                shaped = self.shapes.completion(logprobs or [], self._text_offset)
+                self._text_offset += self.shapes.text_length(logprobs or [])
         if self.header.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shaped}
         else:
-            choice = {"index": 0, "text": delta.get("text", ""), "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": delta.get("text", ""), "finish_reason": finish, "logprobs": shaped}
         body = {**self.header.fields(chunk=True), "choices": [choice], **extra}
         if self.include_usage:
             body.setdefault("usage", None)
@@ -218,7 +252,8 @@ class ChunkWriter:
         if error is not None:
             return [sse(error_body(*error)), sse("[DONE]")]
         assert self.outcome.finished is not None
-        out = [self._chunk({}, finish_reason(self.outcome.finished), timings=self.outcome.timings())]
+        finish = finish_reason(self.outcome.finished)
+        out = [self._chunk({}, finish, logprobs=self._take(), timings=self.outcome.timings())]
         if self.include_usage:
             out.append(sse({**self.header.fields(chunk=True), "choices": [], "usage": self.outcome.usage()}))
         out.append(sse("[DONE]"))

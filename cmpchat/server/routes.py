@@ -20,6 +20,7 @@ from cmpchat.server.generation import serve
 from cmpchat.server.gpus import gpu_routes
 from cmpchat.server.guard import read_json
 from cmpchat.server.llama_endpoints import llama_routes
+from cmpchat.server.logprobs import LogprobShapes
 from cmpchat.server.metrics import CONTENT_TYPE, render_metrics
 from cmpchat.server.openai_responses import responses_routes
 from cmpchat.server.prepare import PreparedRequest, prepare_chat, prepare_completion
@@ -96,12 +97,13 @@ async def _generate(
     prepared = await anyio.to_thread.run_sync(prepare, body, model, runtime.settings)
     header = ResponseHeader(kind, runtime.model_name)
     build = chat_completion_body if kind == "chat" else text_completion_body
+    shapes = LogprobShapes(model.tokenizer)
     return await serve(
         request,
         runtime,
         prepared,
-        lambda outcome: ChunkWriter(header, outcome, include_usage=prepared.include_usage),
-        lambda outcome: build(header, outcome),
+        lambda outcome: ChunkWriter(header, outcome, shapes, include_usage=prepared.include_usage),
+        lambda outcome: build(header, outcome, shapes),
     )
 
 

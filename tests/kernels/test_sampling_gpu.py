@@ -212,3 +212,56 @@ def test_masked_rows_choose_within_their_masks_at_full_size() -> None:
     assert allowed[1, tokens[1]] and allowed[2, tokens[2]]
     assert tokens[3] == int(np.argmax(logits[3]))
     print(f"apply_mask at B={rows}: {time_launches(applied, repeats=50, warmup=3) * 1e6:.1f} µs")
+
+
+def test_logprobs_at_full_size() -> None:
+    """Log-probabilities at the real vocabulary equal numpy's log-softmax of the raw logits within 1e-4 (the
+    penalised row reports its raw values); prints the report's µs per step (run with -s)."""
+    from numba import cuda
+
+    from cmpchat.kernels.sampling_logprobs import LogprobWorkspace, chosen_logprob_launches, logprob_launches
+    from cmpchat.sampling import token_logprobs
+
+    rng = np.random.default_rng(6)
+    rows = 4
+    logits = (rng.standard_normal((rows, VOCAB)) * 4).astype(np.float32)
+    params = [
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(),
+        SamplingParams(),
+    ]
+    asks = [20, 5, None, 0]
+    histories = [list(np.argsort(-logits[row])[:10]) for row in range(rows)]
+    window, count = window_from_histories(histories, WIDTH)
+    device = {
+        "logits": cuda.to_device(logits),
+        "params": cuda.to_device(pack_params(params, WIDTH, None, asks)),
+        "rng": cuda.to_device(rng_state([1, 2, 3, 4])),
+        "window": cuda.to_device(window),
+        "count": cuda.to_device(count),
+        "tokens": cuda.to_device(np.zeros(rows, np.int32)),
+    }
+    workspace = SamplingWorkspace.allocate(rows, VOCAB)
+    reports = LogprobWorkspace.allocate(rows, VOCAB, workspace.chunk)
+    before = logprob_launches(device["logits"], device["params"], reports)
+    launches = before + sampling_launches(
+        device["logits"], device["params"], device["rng"], device["window"], device["count"], device["tokens"],
+        workspace,
+    ) + chosen_logprob_launches(device["params"], device["tokens"], reports)  # fmt: skip
+    for launch in launches:
+        launch.run()
+    tokens = device["tokens"].copy_to_host()
+    chosen, values, ids = (
+        reports.chosen.copy_to_host(),
+        reports.top_value.copy_to_host(),
+        reports.top_index.copy_to_host(),
+    )
+    for row, top in enumerate(asks):
+        if top is None:
+            continue
+        expected = token_logprobs(logits[row], int(tokens[row]), top)
+        assert abs(chosen[row] - expected.logprob) < 1e-4
+        assert ids[row, :top].tolist() == [token for token, _ in expected.top]
+        np.testing.assert_allclose(values[row, :top], [value for _, value in expected.top], atol=1e-4)
+    print(f"logprob_partials at B={rows}, top 20: {time_launches(before, repeats=20, warmup=2) * 1e6:.1f} µs")

@@ -5,7 +5,8 @@ greedy (penalties + argmax) and sampled (the full filter chain and a Gumbel-max 
 buffers that each step refreshes: packed parameters, the recent-token window for the penalties and a
 Philox key. A step with a grammar-constrained row uses a third or fourth graph (captured on first use) that
 applies the allowed-token masks first; only the constrained rows' masks are uploaded (one copy a row, from
-a pinned mirror), so unconstrained steps pay nothing. The key is drawn from the reply's own numpy generator every step, so a seeded reply is
+a pinned mirror), so unconstrained steps pay nothing. Likewise a step with a row that asks for log-probabilities
+runs the `kernels.sampling_logprobs` kernels around the selection, and brings back B + 2 B x 20 numbers more. The key is drawn from the reply's own numpy generator every step, so a seeded reply is
 reproducible; draws are exact in distribution but not the numbers numpy would draw.
 
 A step's inputs lie in one device allocation (params | rng | window_count | window, typed views at 64-byte
@@ -42,7 +43,8 @@ from cmpchat.kernels.sampling import (
     sampling_launches,
     window_from_histories,
 )
-from cmpchat.sampling import SamplingParams, mask_words
+from cmpchat.kernels.sampling_logprobs import MAX_TOP, LogprobWorkspace, chosen_logprob_launches, logprob_launches
+from cmpchat.sampling import SamplingParams, TokenLogprobs, mask_words
 
 if not SIMULATOR:
     from cuda.bindings import driver
@@ -125,11 +127,30 @@ groups and prompts that finish add a few)."""
 
 @dataclass
 class _Fetch:
-    """Where one selection's ids come back: a pinned host array and the event recorded after its copy."""
+    """Where one selection's ids come back: a pinned host array and the event recorded after its copy; and, for
+    selections that report log-probabilities, pinned arrays for them (made on first use)."""
 
     chosen: np.ndarray  # int32 [B] pinned
     arrived: Any
     owner: GpuChoice | None = None
+    reports: _Reports | None = None
+
+
+@dataclass
+class _Reports:
+    """Pinned host arrays for a selection's log-probabilities (as `LogprobWorkspace`'s results)."""
+
+    logprob: np.ndarray  # float32 [B]: the chosen tokens'
+    top_value: np.ndarray  # float32 [B, MAX_TOP]
+    top_index: np.ndarray  # int32 [B, MAX_TOP]
+
+    @classmethod
+    def pinned(cls, batch: int) -> _Reports:
+        return cls(
+            cuda.pinned_array(batch, np.float32),
+            cuda.pinned_array((batch, MAX_TOP), np.float32),
+            cuda.pinned_array((batch, MAX_TOP), np.int32),
+        )
 
 
 @dataclass
@@ -142,16 +163,18 @@ class _Selection:
     workspace: SamplingWorkspace
     stream: Any
     use_graphs: bool
-    graphs: dict[tuple[bool, bool], StepLaunches] = field(default_factory=dict)
-    """The captured selections by (greedy, masked), made on first use: an unconstrained step never runs
-    `apply_mask`, so it costs nothing when no row has a grammar."""
+    graphs: dict[tuple[bool, bool, bool], StepLaunches] = field(default_factory=dict)
+    """The captured selections by (greedy, masked, reporting), made on first use: a step runs `apply_mask` only
+    when a row has a grammar, the log-probability kernels only when a row asks for them."""
     masks: _MaskInputs | None = None
-    packed_params: tuple[tuple[SamplingParams, ...], tuple[bool, ...]] | None = None
-    """The settings and mask flags last packed into the staged parameters (they rarely change between steps)."""
+    reports: LogprobWorkspace | None = None
+    packed_params: tuple[tuple[SamplingParams, ...], tuple[bool, ...], tuple[int | None, ...]] | None = None
+    """The settings, mask flags and report sizes last packed into the staged parameters (they rarely change
+    between steps)."""
     turn: int = 0
 
-    def graph(self, greedy: bool, masked: bool) -> StepLaunches:
-        key = (greedy, masked)
+    def graph(self, greedy: bool, masked: bool, reporting: bool) -> StepLaunches:
+        key = (greedy, masked, reporting)
         if key not in self.graphs:
             views = self.inputs.views
             params, window, count = views["params"], views["window"], views["window_count"]
@@ -163,8 +186,21 @@ class _Selection:
                 )
             if masked:
                 launches = mask_launches(self.logits, params, self.mask_inputs().device, self.workspace) + launches
+            if reporting:  # the raw logits are read before the mask and the penalties edit them
+                reports = self.report_workspace()
+                launches = [
+                    *logprob_launches(self.logits, params, reports),
+                    *launches,
+                    *chosen_logprob_launches(params, self.tokens, reports),
+                ]
             self.graphs[key] = StepLaunches(launches, self.stream, self.use_graphs)
         return self.graphs[key]
+
+    def report_workspace(self) -> LogprobWorkspace:
+        if self.reports is None:
+            ws = self.workspace
+            self.reports = LogprobWorkspace.allocate(ws.batch, ws.vocab, ws.chunk)
+        return self.reports
 
     def mask_inputs(self) -> _MaskInputs:
         if self.masks is None:
@@ -175,30 +211,43 @@ class _Selection:
     def width(self) -> int:
         return int(self.inputs.views["window"].shape[1])
 
-    def queue_fetch(self, stream: Any) -> _Fetch:
-        """Queue the copy of the chosen ids into the next host array of the ring, and its event. A choice still
-        unread there gets its ids first (waiting for them), so none is lost."""
+    def queue_fetch(self, stream: Any, reporting: bool) -> _Fetch:
+        """Queue the copy of the chosen ids (and, `reporting`, of the log-probabilities) into the next host
+        arrays of the ring, and its event. A choice still unread there gets its ids first (waiting for them), so
+        none is lost."""
         fetch = self.fetches[self.turn]
         self.turn = (self.turn + 1) % len(self.fetches)
         if fetch.owner is not None:
             fetch.owner.tokens()
-        if SIMULATOR:
-            self.tokens.copy_to_host(fetch.chosen, stream=stream)
-        else:
-            host, device = fetch.chosen.ctypes.data, self.tokens.device_ctypes_pointer.value
-            result = driver.cuMemcpyDtoHAsync(host, device, fetch.chosen.nbytes, stream_handle(stream))
-            check("cuMemcpyDtoHAsync", result)
+        _copy_down(fetch.chosen, self.tokens, stream)
+        if reporting:
+            workspace = self.report_workspace()
+            host = fetch.reports = fetch.reports or _Reports.pinned(workspace.batch)
+            _copy_down(host.logprob, workspace.chosen, stream)
+            _copy_down(host.top_value, workspace.top_value, stream)
+            _copy_down(host.top_index, workspace.top_index, stream)
         fetch.arrived.record(stream)
         return fetch
+
+
+def _copy_down(host: np.ndarray, device: Any, stream: Any) -> None:
+    """Queue the copy of a device array into the pinned host array of its size."""
+    if SIMULATOR:  # runs in order at once; workspaces there are numpy arrays, device arrays read as them too
+        host[...] = np.asarray(device)
+        return
+    pointers = (host.ctypes.data, device.device_ctypes_pointer.value)
+    check("cuMemcpyDtoHAsync", driver.cuMemcpyDtoHAsync(*pointers, host.nbytes, stream_handle(stream)))
 
 
 class GpuChoice(Selection):
     """Ids being chosen on the GPU: they lie in the step's token input until the next step's upload, and reach
     the host when `tokens()` has waited for them."""
 
-    def __init__(self, fetch: _Fetch) -> None:
+    def __init__(self, fetch: _Fetch, reports: Sequence[int | None]) -> None:
         self._fetch = fetch
         self._ids: list[int] | None = None
+        self._reports = list(reports)
+        self._logprobs: list[TokenLogprobs | None] = [None] * len(reports)
         self.rows = len(fetch.chosen)
         fetch.owner = self
 
@@ -212,8 +261,26 @@ class GpuChoice(Selection):
             fetch = self._fetch
             fetch.arrived.synchronize()
             self._ids = fetch.chosen.tolist()
+            if any(top is not None for top in self._reports):
+                self._logprobs = self._read_logprobs(fetch, self._ids)
             fetch.owner = None
         return self._ids
+
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        self.tokens()
+        return self._logprobs
+
+    def _read_logprobs(self, fetch: _Fetch, ids: list[int]) -> list[TokenLogprobs | None]:
+        host = fetch.reports
+        assert host is not None, "a reporting selection's fetch has its report arrays"
+        out: list[TokenLogprobs | None] = []
+        for row, top in enumerate(self._reports):
+            if top is None:
+                out.append(None)
+                continue
+            best = zip(host.top_index[row, :top].tolist(), host.top_value[row, :top].tolist())
+            out.append(TokenLogprobs(ids[row], float(host.logprob[row]), tuple(best)))
+        return out
 
 
 class GpuSampler:
@@ -236,13 +303,20 @@ class GpuSampler:
         histories: Sequence[Sequence[int]],
         rngs: Sequence[np.random.Generator],
         allowed: Sequence[np.ndarray | None] | None = None,
+        logprobs: Sequence[int | None] | None = None,
     ) -> GpuChoice:
         """Queue the choice of a token for each row of `logits` (a device [B, V] array); returns at once. The
         penalties and masks edit the rows they read. `allowed` holds each row's packed allowed-token mask (None:
-        any token); a step with a mask uploads the masked rows' masks and runs `apply_mask` first."""
+        any token); a step with a mask uploads the masked rows' masks and runs `apply_mask` first. `logprobs`
+        holds how many most likely tokens each row reports with its chosen one's log-probability (None: no report;
+        at most MAX_TOP); they come back with the ids."""
         batch = len(params)
         masks = list(allowed) if allowed is not None else [None] * batch
         masked = tuple(mask is not None for mask in masks)
+        reports = tuple(logprobs) if logprobs is not None else (None,) * batch
+        if any(top is not None and not 0 <= top <= MAX_TOP for top in reports):
+            raise ValueError(f"a row may report at most {MAX_TOP} most likely tokens")
+        reporting = any(top is not None for top in reports)
         width = max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
         rows = self.logits_rows[:batch]
         if _address(logits) != _address(rows):
@@ -255,9 +329,9 @@ class GpuSampler:
         staged = inputs.staged
         selection.uploaded.synchronize()  # the mirror's last copy has run (at once, in the engine's order)
         last = None
-        settings = (tuple(params), masked)
+        settings = (tuple(params), masked, reports)
         if settings != selection.packed_params:
-            staged["params"][:] = pack_params(params, width, masked)
+            staged["params"][:] = pack_params(params, width, masked, reports)
             selection.packed_params = settings
             last = "params"
         if not greedy:  # greedy_launches read no Philox key
@@ -274,8 +348,8 @@ class GpuSampler:
             selection.uploaded.record(stream)
         if any(masked):
             selection.mask_inputs().upload(masks, stream)
-        selection.graph(greedy, any(masked)).run(stream)
-        return GpuChoice(selection.queue_fetch(stream))
+        selection.graph(greedy, any(masked), reporting).run(stream)
+        return GpuChoice(selection.queue_fetch(stream, reporting), reports)
 
     def _selection(self, logits: Any, batch: int, width: int) -> _Selection:
         selection = self._by_batch.get(batch)
