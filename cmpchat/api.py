@@ -5,6 +5,9 @@ model = cmpchat.open_model("Qwen3.5-9B-Q8_0.gguf")        # or open_model() for 
 for event in model.chat([cmpchat.Message("user", "Hello!")]):
     if isinstance(event, cmpchat.ContentDelta):
         print(event.text, end="", flush=True)
+
+With a vision projector (`open_model(..., mmproj=FILE)`, or an mmproj file beside the model), messages may hold
+images: `Message("user", [ImagePart("photo.jpg"), TextPart("What is this?")])`.
 """
 
 from __future__ import annotations
@@ -30,11 +33,20 @@ from cmpchat.errors import CmpchatError
 from cmpchat.kv_formats import F16
 from cmpchat.kv_formats import kv_format as kv_format_named
 from cmpchat.model.config import ModelConfig
+from cmpchat.model.discovery import projector_beside
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.tokenizer import Tokenizer
+from cmpchat.vision.image_encoder import ImageEncoder
+from cmpchat.vision.mmproj import open_projector
+from cmpchat.vision.preprocess import PixelBudget
+from cmpchat.vision.prompt_images import PromptImages
 
 BackendName = Literal["auto", "cpu", "cuda"]
 BACKENDS: tuple[str, ...] = ("auto", "cpu", "cuda")
+IMAGE_PAD = "<|image_pad|>"
+"""The token the chat template writes for each image; the prompt holds one per merged image token."""
+ImageSource = str | Path | bytes
+"""An image file's path, or its bytes."""
 
 
 class Model:
@@ -49,10 +61,16 @@ class Model:
         slots: int | None = None,
         max_waiting: int = 64,
         prefill_chunk: int = 512,
+        image_encoder: ImageEncoder | None = None,
+        projector_path: Path | None = None,
     ) -> None:
         self.model_file = model_file
         self.backend = backend
         self.is_demo = is_demo
+        self.image_encoder = image_encoder
+        """Turns images into prompt rows (None: the model was opened without a usable projector)."""
+        self.projector_path = projector_path
+        """The vision projector paired with the model, loaded or not (a backend without images leaves it)."""
         self.tokenizer = Tokenizer.from_metadata(model_file.metadata)
         self.chat_format = ChatFormat.from_metadata(model_file.metadata)
         self.engine: Engine[Any] = Engine(
@@ -81,6 +99,11 @@ class Model:
     @property
     def config(self) -> ModelConfig:
         return self.backend.config
+
+    @property
+    def supports_images(self) -> bool:
+        """Whether prompts may hold images: a projector is loaded and the backend reads image rows."""
+        return self.image_encoder is not None and self.backend.reads_images
 
     @property
     def path(self) -> Path:
@@ -126,13 +149,47 @@ class Model:
             *self._opening_end(messages, tokens, tools=tools, enable_thinking=enable_thinking),
             *self.next_turn_point(messages, tokens, tools=tools, enable_thinking=enable_thinking),
         }
+        images = [part.data if part.data is not None else part.ref for m in messages for part in m.images]
+        expanded, placed = self._place_images(tokens, images)
         return GenerationRequest(
-            tuple(tokens),
+            tuple(expanded),
             options or GenerationOptions(),
             starts_in_reasoning=prompt.thinking,
             tools=tuple(tools) if tools else None,
-            cache_points=tuple(sorted(points)),
+            cache_points=tuple(sorted(_after_expansion(tokens, placed, self._image_pad(), points))),
+            images=placed,
         )
+
+    def _place_images(
+        self, tokens: Sequence[int], images: Sequence[ImageSource]
+    ) -> tuple[list[int], PromptImages | None]:
+        """The prompt with each image's one pad token expanded to its rows (encoded, or found encoded)."""
+        if not images:
+            return list(tokens), None
+        encoder = self._image_encoder()
+        image_pad = self._image_pad()
+        if image_pad < 0:
+            raise CmpchatError(f"{self.path.name}'s tokenizer has no {IMAGE_PAD} token; it is not a vision model")
+        encoded = [encoder.encode(image) for image in images]
+        return PromptImages.place(tokens, encoded, image_pad, encoder.projector.config.merge_size)
+
+    def _image_pad(self) -> int:
+        """The id of `<|image_pad|>`; -1 (no token) when the vocabulary has none."""
+        found = self.tokenizer.token_to_id(IMAGE_PAD)
+        return -1 if found is None else found
+
+    def _image_encoder(self) -> ImageEncoder:
+        if self.projector_path is None:
+            raise CmpchatError(
+                f"{self.path.name} was opened without a vision projector; give its mmproj file "
+                "(--mmproj FILE, open_model(mmproj=...)) to send images"
+            )
+        if self.image_encoder is None or not self.backend.reads_images:
+            raise CmpchatError(
+                f"the {self.backend.name} backend cannot read images yet; use the CPU reference backend "
+                "(--backend cpu) for prompts with images"
+            )
+        return self.image_encoder
 
     def _opening_end(
         self,
@@ -200,11 +257,14 @@ class Model:
         prompt: str | Sequence[int],
         options: GenerationOptions | None = None,
         *,
+        images: Sequence[ImageSource] = (),
         cancel: threading.Event | None = None,
     ) -> Iterator[GenerationEvent]:
-        """Stream a raw continuation of `prompt` (text with special tokens parsed, or token ids)."""
+        """Stream a raw continuation of `prompt` (text with special tokens parsed, or token ids), whose
+        `<|image_pad|>` tokens stand, one each, for `images` in order."""
         tokens = self.tokenizer.encode(prompt, parse_special=True) if isinstance(prompt, str) else list(prompt)
-        return self._events(GenerationRequest(tuple(tokens), options or GenerationOptions()), cancel)
+        expanded, placed = self._place_images(tokens, images)
+        return self._events(GenerationRequest(tuple(expanded), options or GenerationOptions(), images=placed), cancel)
 
     def _events(self, request: GenerationRequest, cancel: threading.Event | None) -> Iterator[GenerationEvent]:
         for event in self.engine.generate(request, cancel):
@@ -216,6 +276,16 @@ class Model:
 
 _STAND_IN = "…"
 """The text of the stand-in messages `Model.next_turn_point` renders."""
+
+
+def _after_expansion(tokens: Sequence[int], placed: PromptImages | None, image_pad: int, points: set[int]) -> set[int]:
+    """`points` (indices into the template's `tokens`) moved to the prompt where each image's one pad became
+    its run of tokens."""
+    if placed is None:
+        return points
+    pads = [i for i, token in enumerate(tokens) if token == image_pad]
+    runs = [len(image.rows) for image in placed.images]
+    return {point + sum(run - 1 for pad, run in zip(pads, runs) if pad < point) for point in points}
 
 
 def open_model(
@@ -234,6 +304,8 @@ def open_model(
     max_waiting: int = 64,
     prefill_chunk: int = 512,
     kv: str | None = None,
+    mmproj: str | Path | None = None,
+    image_budget: PixelBudget | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Model:
     """Open a GGUF model (None: the demo model, built on first use) on a backend.
@@ -250,8 +322,11 @@ def open_model(
     `prefill_chunk` prompt tokens read between decode steps. `kv`: the KV cache's format
     (`cmpchat.kv_formats`: "f16", "q8", "tq3", "q8k-tq3v"; "naive3" and "q4_0" are measurement baselines);
     default the backend's own (the GPU's fp16, the CPU's fp32 or, with `mirror_gpu`, fp16). The compressed
-    formats run on the CPU reference only for now. `progress(stage, done, total)` reports slow steps. The
-    model comes back ready: a GPU backend has compiled and captured every step the engine runs.
+    formats run on the CPU reference only for now. `mmproj`: the vision projector (default: the mmproj file
+    beside the model, if there is one); `image_budget` the pixel area images are resized within (default
+    Qwen3.5's, 64 to 16384 tokens an image). Images run on the CPU reference only for now: the cuda backend
+    leaves the projector unloaded and refuses images in one line. `progress(stage, done, total)` reports slow
+    steps. The model comes back ready: a GPU backend has compiled and captured every step the engine runs.
     """
     if backend not in BACKENDS:
         raise CmpchatError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
@@ -304,6 +379,15 @@ def open_model(
         )
         if progress is not None:
             progress("loading the model", 1, 1)
+    projector_path = Path(mmproj) if mmproj is not None else None if is_demo else projector_beside(model_path)
+    image_encoder = None
+    if projector_path is not None and loaded.reads_images:
+        if progress is not None:
+            progress("loading the vision projector", 0, 1)
+        image_encoder = ImageEncoder(open_projector(projector_path, text_width=config.hidden_size), image_budget)
+        if progress is not None:
+            progress("loading the vision projector", 1, 1)
     loaded.warm_up(progress, max_rows=min(sequences, loaded.max_batch))
     return Model(model_file, loaded, is_demo=is_demo, slots=sequences, max_waiting=max_waiting,
-                 prefill_chunk=prefill_chunk)  # fmt: skip
+                 prefill_chunk=prefill_chunk, image_encoder=image_encoder,
+                 projector_path=projector_path)  # fmt: skip

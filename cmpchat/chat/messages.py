@@ -29,9 +29,11 @@ class TextPart:
 
 @dataclass(frozen=True, slots=True)
 class ImagePart:
-    """An image inside a message, by reference (an opaque id or a path the vision encoder resolves)."""
+    """An image inside a message: by reference (an opaque id or a file path), or its file's bytes in `data`
+    (an upload, a data URI), which the encoder then reads instead of `ref`."""
 
     ref: str
+    data: bytes | None = None
 
 
 ContentPart: TypeAlias = TextPart | ImagePart

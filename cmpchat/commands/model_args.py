@@ -47,6 +47,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache format: " + ", ".join(FORMATS) + " (default: f16 on the GPU, fp32 on the CPU; the "
         "compressed ones run on --backend cpu only for now)",
     )
+    parser.add_argument(
+        "--mmproj", metavar="FILE", help="vision projector (default: the mmproj file beside the model, if any)"
+    )
     parser.add_argument("--eager", action="store_true", help="launch GPU kernels one by one (debugging)")
 
 
@@ -71,6 +74,7 @@ def open_from_args(
             context=args.ctx,
             kv_tokens=args.kv_tokens,
             kv=args.kv,
+            mmproj=args.mmproj,
             use_graphs=not args.eager,
             progress=progress,
             sequences=sequences,

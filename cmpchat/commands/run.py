@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from cmpchat.chat.messages import Message
+from cmpchat.chat.messages import ImagePart, Message, TextPart
 from cmpchat.commands.model_args import add_model_arguments, open_from_args
 from cmpchat.engine.events import ContentDelta, Finished, ReasoningDelta, ToolCallEvent
 from cmpchat.engine.reply import GenerationOptions
@@ -21,6 +21,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_model_arguments(parser)
     parser.add_argument("-p", "--prompt", required=True, help="the user message")
     parser.add_argument("-s", "--system", help="a system prompt")
+    parser.add_argument(
+        "--image", action="append", default=[], metavar="FILE", help="an image the message shows (repeatable)"
+    )
     parser.add_argument(
         "-n", "--max-tokens", type=int, default=512, metavar="N", help="most tokens to generate (default 512)"
     )
@@ -43,7 +46,10 @@ def run(args: argparse.Namespace) -> int:
         raise CmpchatError("-n must be at least 1")
     sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     model = open_from_args(args)
-    messages = ([Message("system", args.system)] if args.system else []) + [Message("user", args.prompt)]
+    content: str | list[ImagePart | TextPart] = args.prompt
+    if args.image:
+        content = [*(ImagePart(path) for path in args.image), TextPart(args.prompt)]
+    messages = ([Message("system", args.system)] if args.system else []) + [Message("user", content)]
     options = GenerationOptions(sampling=sampling, max_tokens=args.max_tokens)
     styled = sys.stdout.isatty()
     in_reasoning = False

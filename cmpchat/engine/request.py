@@ -10,6 +10,7 @@ from cmpchat.chat.messages import Tool
 from cmpchat.engine.events import GenerationEvent
 from cmpchat.engine.reply import GenerationOptions
 from cmpchat.errors import CmpchatError
+from cmpchat.vision.prompt_images import PromptImages
 
 
 class QueueFull(CmpchatError):
@@ -33,10 +34,19 @@ class GenerationRequest:
     """Prompt positions where the sequence state is worth keeping for later requests, besides the prefill
     chunk boundaries: typically where the generation prompt begins, because the next turn of the same
     conversation repeats everything before it."""
+    images: PromptImages | None = None
+    """The prompt's images: their runs of pad tokens, encoded rows and the prompt's (t, h, w) positions."""
 
     def __post_init__(self) -> None:
         if any(not 0 < point < len(self.prompt) for point in self.cache_points):
             raise ValueError("cache points must lie strictly inside the prompt")
+        if self.images is not None and len(self.images.positions) != len(self.prompt):
+            raise ValueError("the images' positions must cover the prompt")
+
+    @property
+    def image_marks(self) -> list[tuple[int, bytes]]:
+        """Where the prompt's images start and their digests: part of a saved state's key."""
+        return [] if self.images is None else self.images.marks()
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,23 @@ def find_models(roots: Sequence[SearchRoot] | None = None) -> list[FoundModel]:
     return sorted(found.values(), key=lambda model: (not model.supported, model.name.lower(), str(model.path)))
 
 
+def projector_beside(model: Path) -> Path | None:
+    """The vision projector in `model`'s folder that pairs with it (as `find_models` pairs them), if any."""
+    try:
+        names = sorted(entry.name for entry in os.scandir(model.parent) if entry.is_file())
+    except OSError:
+        return None
+    projectors = []
+    for file_name in names:
+        path = model.parent / file_name
+        if not file_name.lower().endswith(".gguf") or path == model:
+            continue
+        header = read_scalar_metadata(path)
+        if header is not None and _is_projector(file_name, header):
+            projectors.append(path)
+    return _pick_projector(model, projectors)
+
+
 def _is_projector(file_name: str, header: dict[str, object]) -> bool:
     return (
         "mmproj" in file_name.lower()
