@@ -7,29 +7,16 @@ test_pipeline_plan.py."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
 from cmpchat.backends.base import Chosen, Selector
 from cmpchat.backends.gpu.model import CudaBackend
-from cmpchat.chat.template import builtin_template
 from cmpchat.errors import CmpchatError
-from cmpchat.model.builder import build_model
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.sampling import SamplingParams
-from tests.conftest import TINY_SHAPE, add_byte_vocabulary
 
 PAGE = 128  # the smallest page that holds whole attention tiles at the tiny model's head size 32
-
-
-@pytest.fixture(scope="module")
-def two_layer_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("two-layers") / "two-layers.gguf"
-    shape = replace(TINY_SHAPE, name="tiny-two-layers", num_layers=2)
-    build_model(path, shape, add_tokenizer=add_byte_vocabulary, chat_template=builtin_template(), seed=7)
-    return path
 
 
 def load(path, **options) -> CudaBackend:

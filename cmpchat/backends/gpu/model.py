@@ -451,7 +451,12 @@ class CudaBackend(Backend[CudaSequence]):
         last = self.stages[-1]
         with last.on_device():
             self._fed = self._sampler.select(
-                logits.device, [s.params for s in selectors], [s.history for s in selectors], [s.rng for s in selectors]
+                logits.device,
+                [s.params for s in selectors],
+                [s.history for s in selectors],
+                [s.rng for s in selectors],
+                allowed=[s.allowed for s in selectors],
+                logprobs=[s.logprobs for s in selectors],
             )
             if len(self.stages) > 1 and self._ids_on_device:  # the first stage's next step reads the ids
                 self._selected.record(last.stream)
