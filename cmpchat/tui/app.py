@@ -31,6 +31,7 @@ from cmpchat.paths import data_dir
 from cmpchat.tui.model_request import ChatModel, ModelOpener, ModelRequest, open_requested
 from cmpchat.tui.remote_model import RemoteModel
 from cmpchat.tui.screens.chat_screen import ChatScreen
+from cmpchat.tui.screens.dialog_flows import delete_chat, rename_chat
 from cmpchat.tui.screens.help import HelpScreen, binding_rows, pretty_keys
 from cmpchat.tui.screens.model_picker import ModelPickerScreen
 from cmpchat.tui.server_gpus import ServerGpuPoller, ServerGpuReport
@@ -250,7 +251,7 @@ class CmpchatApp(App[None]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         """Textual's commands (its screenshot replaced by ours), every chat action the screen allows now,
-        and the key list: F1 says the palette holds every action."""
+        renaming and deleting the open chat, and the key list: F1 says the palette holds every action."""
         for command in super().get_system_commands(screen):
             if command.title != "Screenshot":
                 yield command
@@ -264,6 +265,10 @@ class CmpchatApp(App[None]):
                 if isinstance(binding, Binding) and binding.tooltip and screen.check_action(binding.action, ()):
                     keys = pretty_keys(self.settings.keymap.get(binding.id or "", binding.key))
                     yield SystemCommand(binding.tooltip, keys, partial(screen.run_action, binding.action))
+            chat = screen.session.chat
+            if chat is not None:  # the chat list's own keys, for the open chat
+                yield SystemCommand("Rename this chat", "R in the chat list", partial(rename_chat, screen, chat.id))
+                yield SystemCommand("Delete this chat", "Del in the chat list", partial(delete_chat, screen, chat.id))
         yield SystemCommand("All keys", "F1: every key, and where to change them", self.action_help)
 
     def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:

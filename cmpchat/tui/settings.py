@@ -8,7 +8,7 @@
     model_dirs = ["/data/gguf"]
 
     [keymap]            # binding id = keys (see F1 for the ids)
-    "chat.export" = "ctrl+x,f9"
+    "chat.export" = "ctrl+x,f10"
 
 What the app remembers by itself (the last model, the theme picked in the palette, the thinking
 toggle) lives in `state.json` in the data folder, so the person's file is never rewritten.
@@ -58,7 +58,7 @@ class Settings:
     show_chat_list: bool = True
     """Show the chat list at the left on wide terminals (F2 toggles it)."""
     keymap: dict[str, str] = field(default_factory=dict)
-    """Key overrides: binding id to keys, e.g. {"chat.export" = "ctrl+x,f9"}. F1 lists the ids."""
+    """Key overrides: binding id to keys, e.g. {"chat.export" = "ctrl+x,f10"}. F1 lists the ids."""
 
     def __post_init__(self) -> None:
         self.gpu_sample_seconds = min(max(self.gpu_sample_seconds, 0.5), 1.0)

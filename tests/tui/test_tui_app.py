@@ -112,7 +112,7 @@ async def test_the_palette_screenshot_is_saved_or_says_why_not(make_app, tmp_pat
 
 
 async def test_help_lists_bindings_with_their_ids_and_the_keymap_remaps_them(make_app, tmp_path):
-    settings = Settings(keymap={"chat.export": "f9"})
+    settings = Settings(keymap={"chat.export": "f10"})
     app = make_app(ScriptedModel(), settings=settings)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
@@ -122,10 +122,10 @@ async def test_help_lists_bindings_with_their_ids_and_the_keymap_remaps_them(mak
         ids = {row[2] for row in rows}
         assert {"chat.stop", "chat.regenerate", "chat.edit_last", "chat.thinking", "chat.attach_image"} <= ids
         assert {"prompt.send", "prompt.newline", "app.quit", "chats.rename"} <= ids
-        assert ("F9", "Export this chat to Markdown", "chat.export") in rows
+        assert ("F10", "Export this chat to Markdown", "chat.export") in rows
         await pilot.press("escape")
         await send(pilot, "hello")
-        await pilot.press("f9")
+        await pilot.press("f10")
         await wait_for(pilot, lambda: isinstance(app.screen, TextInputDialog), what="export via the remapped key")
 
 

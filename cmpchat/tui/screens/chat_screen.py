@@ -17,6 +17,7 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.timer import Timer
+from textual.widget import Widget
 from textual.widgets import Footer
 
 from cmpchat.chat.messages import Message
@@ -25,7 +26,7 @@ from cmpchat.errors import CmpchatError
 from cmpchat.tui.model_request import ChatModel, context_limit, model_sees_images
 from cmpchat.tui.reply_run import ReplyRun, UpdatePacer
 from cmpchat.tui.reply_stream import ReplyUpdate, run_generation
-from cmpchat.tui.screens import dialog_flows, slash_flows
+from cmpchat.tui.screens import copy_flows, dialog_flows, slash_flows
 from cmpchat.tui.screens.dialogs import ConfirmDialog
 from cmpchat.tui.screens.overlays import ChatListScreen, GpuScreen
 from cmpchat.tui.session import ChatSession, ReplyStats
@@ -88,6 +89,25 @@ class ChatScreen(Screen[None]):
         Binding(
             "ctrl+f", "search_chats", "search", id="chat.search", show=False, priority=True, tooltip="Search all chats"
         ),
+        Binding("alt+up", "pick_turn(-1)", "pick", id="chat.pick_above", show=False, tooltip="Pick the message above"),
+        Binding("alt+down", "pick_turn(1)", "pick", id="chat.pick_below", show=False, tooltip="Pick the message below"),
+        # F5 to F7 select text in the prompt (TextArea's keys), which has the focus most of the time.
+        Binding(
+            "f8",
+            "copy_message",
+            "copy",
+            id="chat.copy",
+            show=False,
+            tooltip="Copy the picked message (the last unless Alt+Up picked another)",
+        ),
+        Binding(
+            "f9",
+            "copy_code",
+            "copy code",
+            id="chat.copy_code",
+            show=False,
+            tooltip="Copy a code block of the picked message (again: the one before)",
+        ),
         Binding("f3", "gpus", "GPUs", id="chat.gpus", tooltip="Every GPU, full width"),
         Binding("f4", "pick_model", "model", id="chat.model", tooltip="Choose another model"),
     ]
@@ -104,6 +124,8 @@ class ChatScreen(Screen[None]):
         self.active_reply: ReplyRun | None = None
         self.attachments: list[Attachment] = []
         self._tick_timer: Timer | None = None
+        self.copied_code: tuple[Widget, int] | None = None
+        """The turn and index of the code block F9 copied last, so that F9 again copies the one before."""
 
     @property
     def cmp(self) -> CmpchatApp:
@@ -459,6 +481,15 @@ class ChatScreen(Screen[None]):
             self.query_one(ChatList).focus_search()
             return
         self._open_chat_overlay(focus_search=True)
+
+    def action_pick_turn(self, step: int) -> None:
+        self.query_one(Conversation).select(step)
+
+    def action_copy_message(self) -> None:
+        copy_flows.copy_message(self)
+
+    def action_copy_code(self) -> None:
+        copy_flows.copy_code_block(self)
 
     def action_gpus(self) -> None:
         self.app.push_screen(GpuScreen(self.cmp.gpu_readings, self.cmp.gpu_problem))

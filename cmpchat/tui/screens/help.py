@@ -47,7 +47,7 @@ class HelpScreen(ModalScreen[None]):
                 )
             yield table
             yield Static(
-                f'Change keys in {self.config_file} under [keymap], e.g. "chat.export" = "ctrl+x,f9". '
+                f'Change keys in {self.config_file} under [keymap], e.g. "chat.export" = "ctrl+x,f10". '
                 "Ctrl+P opens the command palette (themes, and every action). "
                 f"In the message box, / starts a command: {command_list()}.",
                 classes="dialog-hint",

@@ -41,6 +41,8 @@ class Conversation(VerticalScroll):
 
     async def add_user(self, text: str, images: Sequence[Path]) -> UserMessage:
         await self._drop_hint()
+        for turn in self.turns:
+            turn.remove_class("-selected")  # the copy keys go back to the newest turn
         view = UserMessage(text, images)
         await self.mount(view)
         self.anchor()
@@ -54,7 +56,7 @@ class Conversation(VerticalScroll):
 
     async def remove_last(self, count: int) -> None:
         """Remove the last `count` turns (for regenerate and edit)."""
-        turns = [child for child in self.children if isinstance(child, UserMessage | ReplyView)]
+        turns = self.turns
         for view in turns[len(turns) - count :] if count else []:
             await view.remove()
 
@@ -74,6 +76,28 @@ class Conversation(VerticalScroll):
     async def stop_waiting(self) -> None:
         for note in self.query_children("#waiting-for-model"):
             await note.remove()
+
+    @property
+    def turns(self) -> list[UserMessage | ReplyView]:
+        return [child for child in self.children if isinstance(child, UserMessage | ReplyView)]
+
+    def selected_turn(self) -> UserMessage | ReplyView | None:
+        """The turn picked with `select`, else the last one (what a copy key copies)."""
+        turns = self.turns
+        picked = [turn for turn in turns if turn.has_class("-selected")]
+        return picked[0] if picked else (turns[-1] if turns else None)
+
+    def select(self, step: int) -> UserMessage | ReplyView | None:
+        """Pick the turn `step` turns before (-1) or after (+1) the picked one, and show it."""
+        turns = self.turns
+        current = self.selected_turn()
+        if current is None:
+            return None
+        index = min(max(turns.index(current) + step, 0), len(turns) - 1)
+        for turn in turns:
+            turn.set_class(turn is turns[index], "-selected")
+        turns[index].scroll_visible()
+        return turns[index]
 
     def last_reply(self) -> ReplyView | None:
         replies = list(self.query_children(ReplyView))
