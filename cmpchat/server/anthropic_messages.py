@@ -5,9 +5,9 @@ Request: `messages` (`role` user or assistant, or system; `content` a string or 
 assistant turns and `tool_result` in user turns, its content a string or text blocks; `thinking` in assistant
 turns, read as that turn's reasoning; `redacted_thinking` is skipped), `system` (a string or text blocks),
 `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (custom tools: `name`,
-`description`, `input_schema`), `tool_choice` (`auto`; `any`, which without constrained decoding offers the tools as
-`auto` does; `tool` with a `name`, which offers only that tool; `none`), `thinking` (`enabled` or `disabled` turn
-the model's thinking on or off, `adaptive` leaves the template's default; `budget_tokens` is not enforced:
+`description`, `input_schema`), `tool_choice` (`auto`; `any` and `tool` with a `name`, which offers only that tool,
+enforced by a grammar, `server/structured.py`; `none`), `thinking` (`enabled` or `disabled` turn the model's
+thinking on or off, `adaptive` leaves the template's default, off for a forced tool; `budget_tokens` is not enforced:
 `max_tokens` bounds thinking and answer together). Image and document blocks and server tools are refused (400).
 
 Response: a `message` whose `content` holds a `thinking` block (with an empty `signature`: there is nothing to
@@ -40,6 +40,7 @@ from cmpchat.chat.messages import Message, TextPart, Tool, ToolCall
 from cmpchat.engine.events import Finished
 from cmpchat.engine.request import EngineEvent
 from cmpchat.errors import CmpchatError
+from cmpchat.server import structured
 from cmpchat.server.blocks import BlockClosed, BlockEvent, BlockOpened, BlockSplitter, BlockText
 from cmpchat.server.errors import ApiError, anthropic_error_body
 from cmpchat.server.generation import serve
@@ -145,25 +146,35 @@ def prepare_message(body: MessagesRequest, model: Model, settings: ServerSetting
         stop=tuple(body.stop_sequences or ()),
         stop_param="stop_sequences",
     )
+    tools = _tools(body)
     generation = conversation_request(
-        model, _messages(body), options, tools=_tools(body), enable_thinking=_enable_thinking(body.thinking)
+        model, _messages(body), options, tools=tools, enable_thinking=_enable_thinking(body)
     )
+    if _forces_a_tool(body):
+        generation = structured.constrained(generation, model, schema=None, where="tools", tools=tools)
     return PreparedRequest(generation, body.stream, include_usage=False)
 
 
 def count_prompt_tokens(body: CountTokensRequest, model: Model) -> int:
     """The tokens of the prompt the request's conversation makes."""
     try:
-        prompt = model.render(_messages(body), tools=_tools(body), enable_thinking=_enable_thinking(body.thinking))
+        prompt = model.render(_messages(body), tools=_tools(body), enable_thinking=_enable_thinking(body))
     except CmpchatError as err:
         raise ApiError(400, f"messages: {err}", param="messages") from None
     return len(model.tokenize(prompt.text, parse_special=True))
 
 
-def _enable_thinking(thinking: ThinkingConfig | None) -> bool | None:
+def _enable_thinking(body: CountTokensRequest) -> bool | None:
+    thinking = body.thinking
     if thinking is None or thinking.type == "adaptive":
-        return None
+        # A forced tool call is made at once unless the client asked the model to think first.
+        return False if _forces_a_tool(body) else None
     return thinking.type == "enabled"
+
+
+def _forces_a_tool(body: CountTokensRequest) -> bool:
+    choice = body.tool_choice
+    return bool(body.tools) and choice is not None and choice.type in ("any", "tool")
 
 
 def _tools(body: CountTokensRequest) -> list[Tool] | None:

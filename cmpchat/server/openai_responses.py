@@ -5,11 +5,13 @@ developer; `content` a string or `input_text` / `output_text` parts), `function_
 assistant's), `function_call_output` items (a tool's result, by `call_id`) and `reasoning` items (earlier thinking,
 given to the next assistant turn); `instructions` (the system message, joined with the system and developer
 messages the input opens with); `tools` (`function` tools only) and `tool_choice` (`auto`, `none`, `required` or
-`{"type": "function", "name"}`: without constrained decoding, `required` offers the tools as `auto` does and a named
-choice offers only that tool); `max_output_tokens`, `temperature`, `top_p`; `reasoning.effort`, mapped onto the
-model's thinking switch: `none` and `minimal` turn thinking off, `low` to `max` turn it on, none leaves the
-template's default. Refused (400): `previous_response_id` and `conversation` (nothing is stored: send the whole
-conversation), `text.format` other than `text`, image, file and audio input, tool types other than `function`.
+`{"type": "function", "name"}`: `required` and a named choice are enforced by a grammar, and a named choice offers
+only that tool); `text.format` `text`, `json_object` or `json_schema` (`schema`; structured output, as chat's
+`response_format`, `server/structured.py`); `max_output_tokens`, `temperature`, `top_p`; `reasoning.effort`, mapped
+onto the model's thinking switch: `none` and `minimal` turn thinking off, `low` to `max` turn it on, none leaves the
+template's default (off for structured output). Refused (400): `previous_response_id` and `conversation` (nothing
+is stored: send the whole conversation), other `text.format` types, image, file and audio input, tool types other
+than `function`.
 
 Response: a `response` object whose `output` holds a `reasoning` item (its text as a `reasoning_text` part), a
 `message` item with one `output_text` part, and a `function_call` item per tool call; `status` `completed`, or
@@ -40,6 +42,7 @@ from starlette.routing import Route
 from cmpchat.api import Model
 from cmpchat.chat.messages import Message, Tool, ToolCall
 from cmpchat.engine.request import EngineEvent
+from cmpchat.server import structured
 from cmpchat.server.blocks import BlockClosed, BlockEvent, BlockOpened, BlockSplitter, BlockText
 from cmpchat.server.errors import ApiError
 from cmpchat.server.generation import serve
@@ -140,6 +143,9 @@ class ReasoningConfig(Body):
 
 class TextFormat(Body):
     type: str
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class TextConfig(Body):
@@ -170,13 +176,14 @@ def prepare_response(body: ResponsesRequest, model: Model, settings: ServerSetti
         raise ApiError(
             400, f"{field}: this server stores no responses; send the whole conversation in input", param=field
         )
-    if body.text is not None and body.text.format is not None and body.text.format.type != "text":
-        raise ApiError(
-            400,
-            f"text.format {body.text.format.type!r} is not supported (no constrained decoding); "
-            "ask for JSON in the prompt instead",
-            param="text.format",
-        )
+    schema = _text_schema(body.text.format if body.text is not None else None)
+    tools = _tools(body)
+    forced = tools is not None and (body.tool_choice == "required" or isinstance(body.tool_choice, NamedFunction))
+    if schema is not None and forced:
+        raise ApiError(400, "text.format and a forced tool_choice cannot be combined", param="text.format")
+    thinking = _enable_thinking(body.reasoning)
+    if (schema is not None or forced) and thinking is None:
+        thinking = False  # a constrained reply answers at once unless the client asked it to think first
     options = generation_options(
         settings,
         body.max_output_tokens or settings.default_max_tokens,
@@ -184,14 +191,29 @@ def prepare_response(body: ResponsesRequest, model: Model, settings: ServerSetti
         top_p=body.top_p,
     )
     generation = conversation_request(
-        model,
-        _messages(body),
-        options,
-        tools=_tools(body),
-        enable_thinking=_enable_thinking(body.reasoning),
-        where="input",
+        model, _messages(body), options, tools=tools, enable_thinking=thinking, where="input"
     )
+    if schema is not None or forced:
+        where = "text.format.schema" if schema is not structured.ANY_OBJECT else "text.format"
+        generation = structured.constrained(generation, model, schema=schema, where=where, tools=tools)
     return PreparedRequest(generation, body.stream, include_usage=False)
+
+
+def _text_schema(text_format: TextFormat | None) -> dict[str, Any] | None:
+    """The JSON schema `text.format` asks the reply to follow; None for free text."""
+    if text_format is None or text_format.type == "text":
+        return None
+    if text_format.type == "json_object":
+        return structured.ANY_OBJECT
+    if text_format.type != "json_schema":
+        raise ApiError(
+            400,
+            f"text.format {text_format.type!r} is not supported: use text, json_object or json_schema",
+            param="text.format",
+        )
+    if text_format.schema_ is None:
+        raise ApiError(400, "text.format.schema: a JSON schema is required", param="text.format")
+    return text_format.schema_
 
 
 def _enable_thinking(reasoning: ReasoningConfig | None) -> bool | None:

@@ -19,6 +19,7 @@ from cmpchat.engine.reply import GenerationOptions
 from cmpchat.engine.request import GenerationRequest
 from cmpchat.errors import CmpchatError
 from cmpchat.sampling import SamplingParams
+from cmpchat.server import structured
 from cmpchat.server.errors import ApiError
 from cmpchat.server.schemas import (
     ChatCompletionRequest,
@@ -29,7 +30,6 @@ from cmpchat.server.schemas import (
     NamedToolChoice,
 )
 from cmpchat.server.settings import ServerSettings
-from cmpchat.server.structured import ANY_OBJECT, json_grammar, tool_call_grammar
 
 MAX_STOP_STRINGS = 16
 
@@ -69,15 +69,9 @@ def prepare_chat(body: ChatCompletionRequest, model: Model, settings: ServerSett
         options = dataclasses.replace(options, logprobs=body.top_logprobs or 0)
     generation = conversation_request(model, messages, options, tools=tools, enable_thinking=thinking)
     if constrained:
-        reasoning = generation.starts_in_reasoning
-        if schema is not None:
-            named = body.response_format is not None and body.response_format.type == "json_schema"
-            where = "response_format.json_schema.schema" if named else "response_format"
-            grammar = json_grammar(schema, model, thinking=reasoning, where=where)
-        else:
-            assert tools is not None
-            grammar = tool_call_grammar(tools, model, thinking=reasoning)
-        generation = dataclasses.replace(generation, options=dataclasses.replace(options, grammar=grammar))
+        named = body.response_format is not None and body.response_format.type == "json_schema"
+        where = "response_format.json_schema.schema" if named else "response_format"
+        generation = structured.constrained(generation, model, schema=schema, where=where, tools=tools)
     return PreparedRequest(generation, body.stream, _include_usage(body))
 
 
@@ -87,7 +81,7 @@ def _response_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return ANY_OBJECT
+        return structured.ANY_OBJECT
     if response_format.json_schema is None or response_format.json_schema.schema_ is None:
         raise ApiError(400, "response_format.json_schema.schema: a JSON schema is required", param="response_format")
     return response_format.json_schema.schema_

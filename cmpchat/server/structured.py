@@ -16,6 +16,7 @@ When the prompt opens a `<think>` block, the grammar lets the reply think first 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 from cmpchat.api import Model
 from cmpchat.chat.messages import Message, Tool, ToolCall
 from cmpchat.engine.constraint import GrammarError, check_grammar, json_schema_grammar, lark_grammar
+from cmpchat.engine.request import GenerationRequest
 from cmpchat.server.errors import ApiError
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -32,6 +34,25 @@ THINKING: /(?s:.*)/ & ~/(?s:.*)<\/think>(?s:.*)/
 thought: THINKING "</think>" /\s*/
 """
 _STRING_WORDS = frozenset({"type", "enum", "const", "minLength", "maxLength", "description", "title", "default"})
+
+
+def constrained(
+    generation: GenerationRequest,
+    model: Model,
+    *,
+    schema: Mapping[str, Any] | None,
+    where: str,
+    tools: Sequence[Tool] | None = None,
+) -> GenerationRequest:
+    """`generation` with the grammar of a reply that is JSON `schema` validates (a 400 naming `where` when it
+    cannot be enforced) or, without a schema, one call of `tools`."""
+    thinking = generation.starts_in_reasoning
+    if schema is not None:
+        grammar = json_grammar(schema, model, thinking=thinking, where=where)
+    else:
+        assert tools, "a forced tool choice has tools"
+        grammar = tool_call_grammar(tools, model, thinking=thinking)
+    return dataclasses.replace(generation, options=dataclasses.replace(generation.options, grammar=grammar))
 
 
 def json_grammar(schema: Mapping[str, Any], model: Model, *, thinking: bool, where: str) -> str:

@@ -199,7 +199,7 @@ def test_max_output_tokens_makes_an_incomplete_response(client: openai.OpenAI) -
     [
         ({"previous_response_id": "resp_1"}, "stores no responses"),
         ({"conversation": "conv_1"}, "stores no responses"),
-        ({"text": {"format": {"type": "json_object"}}}, "not supported"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "a JSON schema is required"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "text only"),
         ({"input": [{"type": "web_search_call", "id": "w"}]}, "input.0"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"}]}, "not valid JSON"),

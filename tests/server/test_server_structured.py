@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from enum import StrEnum
-from typing import cast
+from typing import Any, cast
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -194,3 +195,59 @@ def test_structured_requests_that_cannot_be_served_are_400s(tiny_server: LiveSer
     )
     assert reply.status_code == 400
     assert says in reply.json()["error"]["message"]
+
+
+def test_responses_parse_returns_a_valid_bounded_object(client: openai.OpenAI) -> None:
+    response = client.responses.parse(
+        model="tiny", input="Pick a color.", text_format=Answer, temperature=1.0, max_output_tokens=200
+    )
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, Answer)
+
+
+def test_responses_forced_tool_choice_returns_a_function_call(client: openai.OpenAI) -> None:
+    tool = TOOLS[0]["function"]
+    response = client.responses.create(
+        model="tiny",
+        input="Weather?",
+        tools=[{"type": "function", "name": tool["name"], "parameters": tool.get("parameters"), "strict": False}],
+        tool_choice="required",
+        temperature=1.0,
+        max_output_tokens=200,
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert set(json.loads(calls[0].arguments)) == {"city", "days", "unit"}
+
+
+@pytest.mark.parametrize(
+    ("text_format", "says"),
+    [
+        ({"type": "json_schema", "name": "x", "schema": {"type": "strin"}}, "text.format.schema: "),
+        ({"type": "json_schema", "name": "x"}, "a JSON schema is required"),
+        ({"type": "grammar"}, "not supported"),
+    ],
+)
+def test_responses_text_formats_that_cannot_be_served_are_400s(
+    tiny_server: LiveServer, text_format: dict, says: str
+) -> None:
+    body = {"input": "x", "text": {"format": text_format}}
+    reply = httpx.post(f"{tiny_server.api}/responses", json=body, timeout=30)
+    assert reply.status_code == 400
+    assert says in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_messages_forced_tool_choice_returns_a_tool_use(tiny_server: LiveServer, choice: dict) -> None:
+    claude = anthropic.Anthropic(base_url=tiny_server.url, api_key="unused", max_retries=0, timeout=30)
+    tool = TOOLS[0]["function"]
+    message = claude.messages.create(
+        model="tiny",
+        max_tokens=200,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[{"name": tool["name"], "input_schema": cast(dict, tool.get("parameters"))}],
+        tool_choice=cast(Any, choice),
+    )
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
+    assert set(cast(dict, uses[0].input)) == {"city", "days", "unit"}
