@@ -88,9 +88,13 @@ def mask_words(vocab: int) -> int:
 
 
 def allowed_ids(mask: np.ndarray, vocab: int) -> np.ndarray:
-    """bool [vocab]: the ids a packed mask allows (bit i % 32 of word i // 32, llguidance's layout)."""
+    """bool [vocab]: the ids a packed mask allows (bit i % 32 of word i // 32, llguidance's layout); ids past the
+    mask's end (padding rows of an LM head wider than the tokenizer) are not allowed."""
     bits = np.unpackbits(np.ascontiguousarray(mask, dtype="<u4").view(np.uint8), bitorder="little")
-    return bits[:vocab].astype(bool)
+    allowed = np.zeros(vocab, bool)
+    covered = min(vocab, bits.shape[0])
+    allowed[:covered] = bits[:covered]
+    return allowed
 
 
 def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:

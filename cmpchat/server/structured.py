@@ -101,7 +101,7 @@ def tool_call_grammar(tools: Sequence[Tool], model: Model, *, thinking: bool) ->
 def _xml_call(index: int, name: str, parameters: Mapping[str, Any], rules: list[str]) -> str:
     """The rule body of one XML-form call, adding a rule per argument to `rules`."""
     properties = parameters.get("properties") or {}
-    required = set(parameters.get("required") or ())
+    required = set(parameters.get("required") or ())  # a list of names: `_xml_writable` checked it
     parts = []
     for position, (argument, schema) in enumerate(properties.items()):
         rule = f"arg_{index}_{position}"
@@ -129,17 +129,32 @@ def _value(schema: Mapping[str, Any], terminal: str, rules: list[str]) -> str:
 def _xml_writable(parameters: Mapping[str, Any]) -> bool:
     """Whether every argument is either not a string at all or a string the raw-text rule can bound."""
     properties = parameters.get("properties") or {}
-    if not isinstance(properties, Mapping):
+    required = parameters.get("required") or []
+    if not isinstance(properties, Mapping) or not isinstance(required, list):
+        return False
+    if any(not isinstance(name, str) for name in [*properties, *required]):
         return False
     for schema in properties.values():
         if not isinstance(schema, Mapping):
             return False
         if schema.get("type") == "string":
-            if not set(schema) <= _STRING_WORDS or any(not isinstance(v, str) for v in schema.get("enum", [""])):
+            if not set(schema) <= _STRING_WORDS or not _simple_string(schema):
                 return False
         elif _may_be_string(schema):
             return False
     return True
+
+
+def _simple_string(schema: Mapping[str, Any]) -> bool:
+    """Whether a string schema's enum, const and lengths are what the raw-text rule can write."""
+    enum = schema.get("enum", [""])
+    lengths = [schema[key] for key in ("minLength", "maxLength") if key in schema]
+    return (
+        isinstance(enum, list)
+        and all(isinstance(value, str) for value in enum)
+        and isinstance(schema.get("const", ""), str)
+        and all(type(length) is int and length >= 0 for length in lengths)
+    )
 
 
 def _may_be_string(schema: Mapping[str, Any]) -> bool:

@@ -43,3 +43,16 @@ def test_masked_rows_choose_within_their_masks_step_after_step() -> None:
                     assert chosen[row] == ids[int(np.argmax(logits[row, ids]))]
             elif params[row].is_greedy:
                 assert chosen[row] == int(np.argmax(logits[row]))
+
+
+def test_ids_past_a_short_mask_are_not_chosen() -> None:
+    """A grammar's mask covers the tokenizer's ids; an LM head wider than it has padding rows, never chosen."""
+    stream = cuda.stream()
+    sampler = GpuSampler(
+        stream, False, cuda.to_device(np.zeros((1, VOCAB), np.float32)), cuda.to_device(np.zeros(1, np.int32))
+    )
+    logits = np.zeros((1, VOCAB), np.float32)
+    logits[0, 70] = 5.0  # the best id lies past the mask's 64
+    short = np.full(2, 0xFFFFFFFF, np.uint32)
+    choice = sampler.select(cuda.to_device(logits), [SamplingParams()], [[]], [np.random.default_rng(0)], [short])
+    assert choice.tokens() == [0]

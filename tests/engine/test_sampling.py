@@ -83,3 +83,11 @@ def test_a_mask_limits_greedy_and_sampled_choices_to_its_ids():
     }
     assert drawn == {1, 3}
     np.testing.assert_array_equal(apply_mask(LOGITS, mask)[[0, 2]], [-np.inf, -np.inf])
+
+
+def test_ids_past_a_short_mask_are_not_allowed():
+    """An LM head wider than the tokenizer (padding rows): the grammar's mask covers the tokenizer's ids only."""
+    from cmpchat.sampling import allowed_ids
+
+    mask = np.array([0xFFFFFFFF], np.uint32)
+    assert allowed_ids(mask, 40).tolist() == [True] * 32 + [False] * 8

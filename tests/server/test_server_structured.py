@@ -251,3 +251,26 @@ def test_messages_forced_tool_choice_returns_a_tool_use(tiny_server: LiveServer,
     uses = [block for block in message.content if block.type == "tool_use"]
     assert message.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
     assert set(cast(dict, uses[0].input)) == {"city", "days", "unit"}
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": {"a": 5}, "required": 7},
+        {"type": "object", "properties": {"s": {"type": "string", "maxLength": "x"}}, "required": ["s"]},
+        {"type": "object", "properties": {"s": {"type": "string", "enum": [1, 2]}}},
+        {"type": "object", "properties": {"n": {"type": "integer", "minimum": "low"}}},
+        {"type": "nothing"},
+    ],
+)
+def test_odd_tool_schemas_under_a_forced_choice_never_give_a_5xx(tiny_server: LiveServer, parameters: dict) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        "tool_choice": "required",
+        "max_tokens": 8,
+    }
+    reply = httpx.post(f"{tiny_server.api}/chat/completions", json=body, timeout=30)
+    assert reply.status_code in (200, 400), reply.text
+    if reply.status_code == 400:
+        assert reply.json()["error"]["message"].startswith("tools: ")

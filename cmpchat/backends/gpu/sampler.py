@@ -107,7 +107,8 @@ class _MaskInputs:
         for row, mask in enumerate(masks):
             if mask is None:
                 continue
-            self.host[row] = mask
+            self.host[row, : mask.shape[0]] = mask
+            self.host[row, mask.shape[0] :] = 0  # ids past a mask's end (LM-head padding) are not allowed
             if SIMULATOR:
                 self.device[row].copy_to_device(self.host[row], stream=stream)
             else:
