@@ -49,8 +49,9 @@ def parse(text: str) -> CommandCall | str:
         return text[1:]
     if not text.startswith("/") or text.split(maxsplit=1)[0] in MODEL_SWITCHES:
         return text
-    name, _, argument = text[1:].partition(" ")
-    return CommandCall(name.strip(), argument.strip())
+    rest = text[1:]
+    name = rest.split(maxsplit=1)[0] if rest[:1].strip() else ""  # "/" then a space: no name, not a command
+    return CommandCall(name, rest[len(name) :].strip())
 
 
 def completion(text: str) -> str:

@@ -23,6 +23,8 @@ def test_commands_and_messages_are_told_apart():
     assert parse("/temp 0.2") == CommandCall("temp", "0.2")
     assert parse("/system  Be brief.  ") == CommandCall("system", "Be brief.")
     assert parse("/new") == CommandCall("new", "")
+    assert parse("/system\nTwo lines,\nkept.") == CommandCall("system", "Two lines,\nkept.")
+    assert parse("/") == CommandCall("", "") and parse("/ x") == CommandCall("", "x")
     assert parse("/usr/bin is gone") == CommandCall("usr/bin", "is gone")  # unknown: refused, not sent
     assert parse("//usr/bin is gone") == "/usr/bin is gone"
     assert parse("/no_think Quick: 2+2?") == "/no_think Quick: 2+2?"
@@ -125,6 +127,10 @@ async def test_tab_completes_a_commands_name_and_otherwise_moves_the_focus(make_
         prompt = screen.query_one(PromptArea)
         prompt.focus()
         await pilot.press("slash", "t", "e")
+        assert prompt.suggestion == "mp "
+        await pilot.press("left")
+        assert prompt.suggestion == ""  # only at the end of the text
+        await pilot.press("end")
         assert prompt.suggestion == "mp "
         await pilot.press("tab")
         assert prompt.text == "/temp " and prompt.suggestion == "" and prompt.has_focus

@@ -128,6 +128,9 @@ class PromptArea(TextArea, inherit_bindings=False):
         at_end = self.cursor_location == self.document.end
         self.suggestion = completion(self.text) if at_end else ""
 
+    def watch_selection(self) -> None:
+        self.update_suggestion()  # the cursor moved away from the end: no completion drawn in mid-text
+
     def action_complete(self) -> None:
         if not self.suggestion:
             raise SkipAction()  # Tab then moves the focus, as everywhere else
