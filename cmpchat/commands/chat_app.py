@@ -51,10 +51,10 @@ def add_app_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here: Textual and the image protocols are only needed when the app opens, and
     # textual_image must query the terminal before Textual takes it over.
-    from cmpchat.gpu_readings import FakeGpuSampler, GpuSampler, UnavailableSampler
+    from cmpchat.gpu_readings import FakeGpuSampler, GpuSampler
     from cmpchat.tui.app import CmpchatApp
     from cmpchat.tui.model_request import ModelRequest
-    from cmpchat.tui.remote_model import GPU_READINGS_UNAVAILABLE, RemoteServer
+    from cmpchat.tui.remote_model import RemoteServer
     from cmpchat.tui.settings import load_settings
 
     settings, problems = load_settings()
@@ -73,9 +73,6 @@ def run(args: argparse.Namespace) -> int:
     elif args.demo:
         request = ModelRequest(None)
     sampler: GpuSampler | None = FakeGpuSampler(args.simulated_gpus) if args.simulated_gpus else None
-    if args.url and sampler is None:
-        # The GPUs are the server's; a sampler of its GPU readings endpoint will take this one's place.
-        sampler = UnavailableSampler(GPU_READINGS_UNAVAILABLE)
     app = CmpchatApp(model_request=request, settings=settings, settings_problems=problems, gpu_sampler=sampler)
     if args.pick:
         app.requested_model = None

@@ -41,9 +41,6 @@ READ_SECONDS = 600.0
 """Longest wait for the next streamed line: a long prompt on a slow card may take minutes to its first token."""
 CANCEL_POLL_SECONDS = 0.05
 """How often a reply waiting on the server looks whether it was stopped."""
-GPU_READINGS_UNAVAILABLE = "GPU readings come from the server once it answers"
-"""The GPU panel's line in remote mode before the server is reached (`cmpchat --url` reads no local GPUs);
-then `server_gpus.ServerGpuPoller` reads the server's."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from cmpchat.history.store import HistoryStore
 from cmpchat.server.settings import ServerSettings
 from cmpchat.tui.app import CmpchatApp
 from cmpchat.tui.model_request import ModelRequest
-from cmpchat.tui.remote_model import GPU_READINGS_UNAVAILABLE, RemoteModel, RemoteServer, connect
+from cmpchat.tui.remote_model import RemoteModel, RemoteServer, connect
 from cmpchat.tui.settings import AppState, Settings
 from cmpchat.tui.widgets.conversation import Conversation
 from cmpchat.tui.widgets.gpu_panel import GpuPanel
@@ -51,7 +51,7 @@ def remote_app(tmp_path: Path, url: str, api_key: str | None = None, state: AppS
         state_file=tmp_path / "state.json",
         history=HistoryStore(tmp_path / "history.sqlite3"),
         images=ImageStore(tmp_path / "images"),
-        gpu_sampler=UnavailableSampler(GPU_READINGS_UNAVAILABLE),
+        gpu_sampler=UnavailableSampler("no GPUs on this test machine"),  # the panel shows the server's
         discover=lambda: [],
     )
 
