@@ -14,6 +14,7 @@ LAYERS: list[set[str]] = [
     {"cudart"},
     {"kernels", "devtools"},
     {"backends"},
+    {"vision"},
     {"engine"},
     {"demo", "api", "__init__"},
     {"evaluation", "bench", "doctor"},
