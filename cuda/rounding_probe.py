@@ -21,6 +21,7 @@ from engine_marks import prompt_tokens  # noqa: E402
 from cmpchat.backends.gpu.model import CudaBackend  # noqa: E402
 from cmpchat.bench.model_files import bench_model_path  # noqa: E402
 from cmpchat.demo import ensure_demo_model  # noqa: E402
+from cmpchat.evaluation.agreement import read_paths  # noqa: E402
 from cmpchat.model.gguf_file import ModelFile  # noqa: E402
 from cmpchat.tokenizer import Tokenizer  # noqa: E402
 
@@ -32,16 +33,7 @@ def probe(path: Path, seeds: list[int], length: int) -> list[dict]:
     results = []
     prompts = [prompt_tokens(tokenizer, length, seed) for seed in seeds]
     for seed, prompt in zip(seeds, prompts):
-        s = gpu.new_sequence()
-        long_steps = gpu.to_host(gpu.prefill(s, prompt))[0]
-        gpu.release(s)
-        s = gpu.new_sequence()
-        chunks = gpu.score(s, prompt)[-1]
-        gpu.release(s)
-        s = gpu.new_sequence()
-        gpu.prefill(s, prompt[:-1])
-        one_row = gpu.to_host(gpu.decode([s], [prompt[-1]]))[0]
-        gpu.release(s)
+        long_steps, chunks, one_row = read_paths(gpu, prompt)
         others = [p for p in prompts if p is not prompt][:3]
         seqs = [gpu.new_sequence() for _ in range(4)]
         for q, p in zip(seqs, [prompt, *others]):

@@ -3,8 +3,9 @@
 For one model file on GPU 0: a prompt of random token ids is fed in calls of `call_tokens` (as the
 generator feeds a chat's prompt, `GenerationOptions.prefill_chunk`), timed from the first call to the GPU
 finishing the last, after warm-up prompts that compile and capture every step the backend uses. Then the
-prompt's last long-prompt step (the backend's `prompt_rows` tokens, at that prompt's context) is profiled by kernel family,
-which gives the GEMMs' rate against the dp4a peak and a projection for a CMP 100-210 (the prefill issue's):
+prompt's last long-prompt step (the backend's `prompt_rows` tokens, at that prompt's context) is profiled by
+kernel family, which gives the GEMMs' rate against the dp4a peak and a projection for a CMP 100-210 (the prefill
+issue's):
 
     CMP step time = GEMM time x (this GPU's dp4a/s / 4.3e12) + every other family's time x (read bandwidth / 818 GB/s)
 

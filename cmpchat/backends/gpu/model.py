@@ -112,9 +112,9 @@ class CudaBackend(Backend[CudaSequence]):
         the fewest GPUs, in index order, that hold the model and the asked context. `split`: layers per stage
         (default: the split with the largest KV pool, then the most even weights). `gpu_mem`: bytes each stage
         may use, one value or one per stage. `prompt_rows`: tokens per long-prompt step (default
-        `prompt_step.prompt_rows`: fewer in a pipeline; tests give one stage a pipeline's to compare them). `tuning`: the launch choices every stage runs
-        (`kernels/device_table.py`); default, each GPU's own row (`default_tuning`: the one CMPCHAT_TUNING names,
-        if set)."""
+        `prompt_step.prompt_rows`: fewer in a pipeline; tests give one stage a pipeline's to compare them).
+        `tuning`: the launch choices every stage runs (`kernels/device_table.py`); default, each GPU's own row
+        (`default_tuning`: the one CMPCHAT_TUNING names, if set)."""
         self.config = config = config or ModelConfig.from_model_file(model_file)
         check_gpu_types(model_file, config)  # before any device call: a k-quant file is refused in one line
         self.use_graphs = use_graphs
