@@ -38,6 +38,8 @@ def format_decode(report: DecodeReport) -> list[str]:
         f" {'CMP projection':>15}",
     ]
     for run in report.runs:
+        if run.structured:
+            continue
         llama = report.llama_at(run.context) if run.batch == 1 else None
         llama_text = f"{llama.tokens_per_second:9.1f}" if llama else f"{'-':>9}"
         versus = f"{run.tokens_per_second / llama.tokens_per_second:10.2f}" if llama else f"{'-':>10}"
@@ -51,6 +53,7 @@ def format_decode(report: DecodeReport) -> list[str]:
         f"and written) / streaming read. CMP projection = ratio x {CMP_READ_BANDWIDTH / 1e9:.0f} GB/s / bytes "
         "per token: a projection, not a measurement."
     )
+    lines += _format_structured(report.runs)
     for run in report.runs:
         pipeline = run.pipeline_projection(report.read_bandwidth)
         if pipeline is not None:
@@ -70,6 +73,19 @@ def format_decode(report: DecodeReport) -> list[str]:
     for run in report.runs:
         if run.families:
             lines += _format_families(run)
+    return lines
+
+
+def _format_structured(runs: list[DecodeRun]) -> list[str]:
+    """The structured run against the plain batch-1 run at its context, both from this run of the benchmark."""
+    lines = []
+    for run in (r for r in runs if r.structured):
+        plain = next((r for r in runs if r.batch == 1 and r.context == run.context and not r.structured), None)
+        versus = f", {run.tokens_per_second / plain.tokens_per_second:.1%} of the plain reply's" if plain else ""
+        lines.append(
+            f"context {run.context}, batch 1 under a JSON schema (bench/decode.py's STRUCTURED_SCHEMA): "
+            f"{run.tokens_per_second:.1f} tok/s{versus}"
+        )
     return lines
 
 
@@ -112,6 +128,7 @@ def _run_json(run: DecodeRun, report: DecodeReport) -> dict:
     return {
         "context": run.context,
         "batch": run.batch,
+        "structured": run.structured,
         "tok_s": round(run.tokens_per_second, 2),
         "limit_tok_s": round(run.limit, 2),
         "ratio_of_limit": round(run.ratio, 4),

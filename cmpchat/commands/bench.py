@@ -40,6 +40,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="batched runs (aggregate tok/s) at the first context")  # fmt: skip
     decode.add_argument("--tokens", type=int, default=128, help="timed steps per run (default 128)")
     decode.add_argument("--folder", type=Path, help="where benchmark files are built (default: the cache folder)")
+    decode.add_argument("--structured", action="store_true",
+                        help="add a batch-1 run at the first context whose reply follows a JSON schema "
+                        "(what structured output costs)")  # fmt: skip
     decode.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench, to compare")
     decode.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     decode.add_argument("--gpus", metavar="LIST", help="pipeline stages' GPUs, e.g. 0,0,0 (three stages on GPU 0): "
@@ -185,7 +188,7 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeRepor
     bandwidth = streaming_read_bandwidth()  # as `cmpchat doctor` measures it
     weights = weight_bytes_per_step(model_file, config)
     tokenizer = Tokenizer.from_metadata(model_file.metadata)
-    runs = run_decode(backend, tokenizer, weights, bandwidth, contexts, batches, args.tokens, _say)
+    runs = run_decode(backend, tokenizer, weights, bandwidth, contexts, batches, args.tokens, _say, args.structured)
     gpu = backend.gpu.name
     early = backend.early_launch and early_launch_allowed()  # what the step's graphs were bound with
     del backend

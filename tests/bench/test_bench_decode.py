@@ -128,6 +128,17 @@ def test_report_shows_ratios_llama_and_the_labelled_projection() -> None:
     assert data["runs"][1]["cmp_projection_tok_s"] is None  # projections are for batch 1 only
 
 
+def test_the_structured_run_is_reported_against_the_plain_one_not_in_the_table() -> None:
+    plain = _report()
+    structured = DecodeRun(context=0, batch=1, tokens_per_second=285.0, bytes=plain.runs[0].bytes, limit=500.0,
+                           step_seconds=1 / 285, structured=True)  # fmt: skip
+    report = DecodeReport(plain.model, plain.gpu, plain.read_bandwidth, [*plain.runs, structured], plain.llama)
+    lines = format_decode(report)
+    assert not any(" 285.0 " in line for line in lines[:5])  # the table holds the plain runs only
+    assert any("under a JSON schema" in line and "285.0 tok/s, 95.0% of the plain reply's" in line for line in lines)
+    assert [run["structured"] for run in decode_json(report)["runs"]] == [False, False, True]
+
+
 def test_bench_model_path_takes_a_file_or_refuses_clearly(tmp_path: Path, tiny_model_path: Path) -> None:
     assert bench_model_path(str(tiny_model_path), tmp_path) == tiny_model_path
     with pytest.raises(CmpchatError, match="neither a model shape"):
