@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from cmpchat.api import BACKENDS
+from cmpchat.commands.model_args import add_load_arguments, load_options
 from cmpchat.errors import CmpchatError
 
 
@@ -40,6 +41,7 @@ def add_app_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help="compute backend (default: from config, else auto)"
     )
+    add_load_arguments(parser)
     parser.add_argument(
         "--simulated-gpus",
         type=int,
@@ -62,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
         settings.backend = args.backend
     if (args.api_key or args.model_name) and not args.url:
         raise CmpchatError("--api-key and --model-name go with --url (the server to chat with)")
+    options = load_options(args)
+    if options and args.url:
+        raise CmpchatError("--gpus, --gpu-mem, --split, --ctx, --kv-tokens and --kv lay a model out on this machine; "
+                           "with --url the server has its own (give them to `cmpchat serve`)")  # fmt: skip
     request: ModelRequest | None = None
     if args.url:
         request = ModelRequest(server=RemoteServer(args.url.rstrip("/"), args.api_key, args.model_name))
@@ -73,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.demo:
         request = ModelRequest(None)
     sampler: GpuSampler | None = FakeGpuSampler(args.simulated_gpus) if args.simulated_gpus else None
-    app = CmpchatApp(model_request=request, settings=settings, settings_problems=problems, gpu_sampler=sampler)
+    app = CmpchatApp(model_request=request, settings=settings, settings_problems=problems, gpu_sampler=sampler,
+                     load_options=options)  # fmt: skip
     if args.pick:
         app.requested_model = None
         app.app_state.last_model = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from cmpchat.api import BACKENDS, Model, open_model
 from cmpchat.backends.gpu.device import parse_size
@@ -22,6 +23,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="compute backend (default: auto = cuda when a GPU is usable)",
     )
+    add_load_arguments(parser)
+    parser.add_argument(
+        "--mmproj", metavar="FILE", help="vision projector (default: the mmproj file beside the model, if any)"
+    )
+    parser.add_argument("--eager", action="store_true", help="launch GPU kernels one by one (debugging)")
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a model is laid out on this machine's GPUs and how much context it gets (`load_options` reads them)."""
     parser.add_argument(
         "--gpu-mem",
         metavar="SIZE",
@@ -47,10 +57,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache format: " + ", ".join(FORMATS) + " (default: f16 on the GPU, fp32 on the CPU; the "
         "compressed ones run on --backend cpu only for now)",
     )
-    parser.add_argument(
-        "--mmproj", metavar="FILE", help="vision projector (default: the mmproj file beside the model, if any)"
-    )
-    parser.add_argument("--eager", action="store_true", help="launch GPU kernels one by one (debugging)")
+
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`open_model`'s keyword arguments from `add_load_arguments`' options: only those given."""
+    options = {
+        "gpu_mem": gpu_memory(args.gpu_mem),
+        "gpus": int_list(args.gpus, "--gpus"),
+        "split": int_list(args.split, "--split"),
+        "context": args.ctx,
+        "kv_tokens": args.kv_tokens,
+        "kv": args.kv,
+    }
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def open_from_args(
@@ -68,12 +87,6 @@ def open_from_args(
         model = open_model(
             args.model,
             backend=args.backend,
-            gpu_mem=gpu_memory(args.gpu_mem),
-            gpus=int_list(args.gpus, "--gpus"),
-            split=int_list(args.split, "--split"),
-            context=args.ctx,
-            kv_tokens=args.kv_tokens,
-            kv=args.kv,
             mmproj=args.mmproj,
             use_graphs=not args.eager,
             progress=progress,
@@ -81,6 +94,7 @@ def open_from_args(
             cache_states=cache_states,
             max_waiting=max_waiting,
             prefill_chunk=prefill_chunk,
+            **load_options(args),
         )
     finally:
         progress.close()

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from textual import work
 from textual.app import App, SystemCommand
@@ -115,6 +116,7 @@ class CmpchatApp(App[None]):
         gpu_sampler: GpuSampler | None = None,
         discover: Callable[[], list[FoundModel]] | None = None,
         opener: ModelOpener | None = None,
+        load_options: dict[str, Any] | None = None,
         theme_folders: list[Path] | None = None,
     ) -> None:
         super().__init__()
@@ -127,6 +129,8 @@ class CmpchatApp(App[None]):
         self.requested_model = model_request
         self.discover = discover or (lambda: find_models(default_roots(self.settings.model_dirs)))
         self.opener = opener
+        self.load_options = load_options or {}
+        """`open_model`'s layout options from the command line (`--gpus`, `--gpu-mem`, `--ctx`...)."""
         self._gpu_sampler = gpu_sampler
         self._gpu_monitor: GpuMonitor | None = None
         self._server_gpus: ServerGpuPoller | None = None
@@ -359,7 +363,7 @@ class CmpchatApp(App[None]):
 
         thaw_before_replacing()
         try:
-            model = open_requested(request, self.settings.backend, progress, self.opener)
+            model = open_requested(request, self.settings.backend, progress, self.opener, self.load_options)
         except CmpchatError as err:
             self.post_message(self.ModelFailed(request, str(err)))
             return

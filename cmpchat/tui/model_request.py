@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from cmpchat.api import Model, open_model
 from cmpchat.tui.remote_model import RemoteModel, RemoteServer, connect
@@ -42,18 +42,23 @@ class ModelRequest:
 class ModelOpener(Protocol):
     """`cmpchat.open_model`'s shape; tests pass a stand-in that returns a scripted model."""
 
-    def __call__(self, path: Path | None, *, backend: str, progress: Callable[[str, int, int], None]) -> Model: ...
+    def __call__(
+        self, path: Path | None, *, backend: str, progress: Callable[[str, int, int], None], **options: Any
+    ) -> Model: ...
 
 
 def open_requested(
-    request: ModelRequest, backend: str, progress: Callable[[str, int, int], None], opener: ModelOpener | None = None
+    request: ModelRequest,
+    backend: str,
+    progress: Callable[[str, int, int], None],
+    opener: ModelOpener | None = None,
+    options: dict[str, Any] | None = None,
 ) -> ChatModel:
-    """Open the requested model; the projector is not used yet (no vision support in the engine)."""
+    """Open the requested model with `open_model`'s layout `options` (`--gpus`, `--ctx`...: the app's command
+    line, for every model it opens); the projector is not used yet (the app attaches no images to the engine)."""
     if request.server is not None:
         return connect(request.server, progress)
-    if opener is not None:
-        return opener(request.path, backend=backend, progress=progress)
-    return open_model(request.path, backend=backend, progress=progress)  # type: ignore[arg-type]
+    return (opener or open_model)(request.path, backend=backend, progress=progress, **(options or {}))  # type: ignore[arg-type]
 
 
 def context_limit(model: ChatModel) -> int:

@@ -57,6 +57,8 @@ def test_tokenize_prints_ids(tiny_model_path, capsys):
         (["run", "--backend", "cpu", "--split=-1,2", "-p", "x"], "--split takes numbers of 0 or more"),
         (["run", "--backend", "cpu", "--gpus", "0,0", "-p", "x"], "the cpu backend has none"),
         (["run", "--backend", "cpu", "--gpu-mem", "16G,lots", "-p", "x"], "cannot read the size 'lots'"),
+        (["--gpus", "0,x"], "--gpus takes numbers separated by commas"),  # the app, before it takes the terminal
+        (["chat", "--url", "http://localhost:1/v1", "--gpus", "0,0"], "with --url the server has its own"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(args, fragment, tmp_path):

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import cast
+from typing import Any, cast
 
 from cmpchat.api import Model
 from cmpchat.chat.messages import Message, ToolCall
@@ -147,7 +147,9 @@ class ScriptedModel:
 def scripted_opener(make: Callable[[Path | None], ScriptedModel]) -> ModelOpener:
     """An opener for the app (`cmpchat.open_model`'s shape) that gives what `make` returns for the path asked for."""
 
-    def open_scripted(path: Path | None, *, backend: str, progress: Callable[[str, int, int], None]) -> Model:
+    def open_scripted(
+        path: Path | None, *, backend: str, progress: Callable[[str, int, int], None], **options: Any
+    ) -> Model:
         return cast(Model, make(path))  # the app uses only what a ScriptedModel has
 
     return open_scripted

@@ -134,11 +134,11 @@ async def test_model_picker_lists_found_models_and_loads_the_choice(make_app, tm
         FoundModel(tmp_path / "Qwen3.5-9B-Q8_0.gguf", 9 * 2**30, "Hugging Face cache", "Qwen3.5 9B", "qwen35"),
         FoundModel(tmp_path / "llama.gguf", 2**30, "~/models", "Llama", "llama"),
     ]
-    opened: list[Path | None] = []
+    opened: list[tuple[Path | None, dict]] = []
     model = ScriptedModel()
 
-    def opener(path, *, backend, progress):
-        opened.append(path)
+    def opener(path, *, backend, progress, **options):
+        opened.append((path, options))
         return model
 
     app = CmpchatApp(
@@ -148,6 +148,7 @@ async def test_model_picker_lists_found_models_and_loads_the_choice(make_app, tm
         history=None,
         discover=lambda: found,
         opener=opener,
+        load_options={"gpus": [0, 0], "context": 8192},  # the command line's: every model opened gets them
         gpu_sampler=None,
     )
     async with app.run_test(size=(120, 40)) as pilot:
@@ -159,7 +160,7 @@ async def test_model_picker_lists_found_models_and_loads_the_choice(make_app, tm
         assert "demo model" in str(options.get_option_at_index(2).prompt)
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.model is model)
-    assert opened == [found[0].path]
+    assert opened == [(found[0].path, {"gpus": [0, 0], "context": 8192})]
     assert app.app_state.last_model == str(found[0].path)
 
 
@@ -219,7 +220,7 @@ async def test_the_last_model_is_opened_again(make_app, tmp_path):
 async def test_loading_shows_progress_and_a_failure_reopens_the_picker(make_app, tmp_path):
     release = threading.Event()
 
-    def slow_opener(path, *, backend, progress):
+    def slow_opener(path, *, backend, progress, **options):
         progress("writing the demo model", 3, 10)
         release.wait(5)
         raise OSError("disk on fire")
