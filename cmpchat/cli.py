@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cmpchat",
         description="Chat with Qwen3.5 / Qwen3.6 models on NVIDIA CMP 100-210 mining GPUs. "
         "With no command, opens the chat app.",
+        allow_abbrev=False,  # the app's options would make a command's own short forms ambiguous (doctor's --gpu)
     )
     parser.add_argument("--version", action="version", version=f"cmpchat {__version__}")
     chat_app.add_app_arguments(parser)  # `cmpchat [-m FILE]` alone opens the chat app

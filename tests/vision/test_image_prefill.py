@@ -78,7 +78,8 @@ def test_a_prompt_cut_inside_an_image_reads_as_one_step_and_decodes_from_the_nex
     for start, end in [(0, 5), (5, 17), (17, len(tokens))]:  # cuts inside both images
         positions, rows = placed.step_inputs(start, end)
         logits = backend.prefill_with_images(chunked, tokens[start:end], positions=positions, images=rows).values
-    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5)
+    # fp32 sums in another order (chunks against one step): up to 1.24e-5 seen at logits up to 6.4
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
 
     # Decoding a token reads it at the next position: as if the prompt and it were one step.
     decoded = backend.decode([chunked], [111]).values
@@ -86,4 +87,4 @@ def test_a_prompt_cut_inside_an_image_reads_as_one_step_and_decodes_from_the_nex
     positions, rows = placed.step_inputs(0, len(tokens) + 1)
     assert positions[-1].tolist() == [placed.next_position] * 3
     once = backend.prefill_with_images(longer, [*tokens, 111], positions=positions, images=rows).values
-    np.testing.assert_allclose(decoded, once, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(decoded, once, rtol=0, atol=1e-4)
