@@ -23,6 +23,8 @@ class Recorder(Backend[Any]):
         self.max_sequences = inner.max_sequences
         self.context_limit = inner.context_limit
         self.calls: list[tuple[str, Any]] = []
+        self.groups: list[int] = []
+        """The decode group of each decode call."""
         self.fail_decode_at = fail_decode_at
 
     @property
@@ -52,8 +54,9 @@ class Recorder(Backend[Any]):
         self.calls.append(("prefill", (id(sequence), len(tokens))))
         return self.inner.prefill(sequence, tokens, positions=positions)
 
-    def decode(self, sequences: Sequence[Any], tokens: Sequence[TokenInput]) -> Logits:
+    def decode(self, sequences: Sequence[Any], tokens: Sequence[TokenInput], *, group: int = 0) -> Logits:
         self.calls.append(("decode", tuple(id(s) for s in sequences)))
+        self.groups.append(group)
         if self.fail_decode_at is not None and sum(kind == "decode" for kind, _ in self.calls) == self.fail_decode_at:
             raise RuntimeError("device lost")
         return self.inner.decode(sequences, tokens)

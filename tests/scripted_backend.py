@@ -132,7 +132,9 @@ class ScriptedBackend(Backend[ScriptedSequence]):
         sequence.script = self._script(text)
         return HostLogits(self._logits(sequence)[None])
 
-    def decode(self, sequences: Sequence[ScriptedSequence], tokens: Sequence[TokenInput]) -> HostLogits:
+    def decode(
+        self, sequences: Sequence[ScriptedSequence], tokens: Sequence[TokenInput], *, group: int = 0
+    ) -> HostLogits:
         if len(sequences) > self.max_batch:
             raise ValueError(f"{len(sequences)} rows exceed the {self.max_batch} a step takes")
         self.log.append("step")

@@ -151,6 +151,9 @@ class Backend(ABC, Generic[S]):
     """Tokens one sequence may hold at most."""
     decode_groups: int = 1
     """Decode steps of different sequence groups the backend can have in flight at once (pipeline stages)."""
+    spread_decode_groups: bool = False
+    """Whether the groups' steps run at the same time (stages on separate GPUs), so sequences are spread over
+    the groups; else the engine fills one group before it starts the next."""
     reads_images: ClassVar[bool] = False
     """Whether `prefill_with_images` takes image rows (else it refuses them)."""
 
@@ -207,8 +210,9 @@ class Backend(ABC, Generic[S]):
         )
 
     @abstractmethod
-    def decode(self, sequences: Sequence[S], tokens: Sequence[TokenInput]) -> Logits:
-        """Queue one token for each sequence in one step (at most `max_batch`); its logits, a row each."""
+    def decode(self, sequences: Sequence[S], tokens: Sequence[TokenInput], *, group: int = 0) -> Logits:
+        """Queue one token for each sequence in one step (at most `max_batch`) of decode group `group` (below
+        `decode_groups`); its logits, a row each."""
 
     def select(self, logits: Logits, selectors: Sequence[Selector]) -> Selection:
         """Queue choosing a token for each row of `logits` (host-side here; GPU backends choose on the GPU)."""

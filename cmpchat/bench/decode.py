@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from cmpchat.bench.kernel_families import FamilyTime, family_times, kernel_family
 from cmpchat.bench.limits import CMP_READ_BANDWIDTH, StepBytes, cmp_projection, limit_tokens_per_second, step_bytes
-from cmpchat.bench.pipeline_schedule import HostLink, decode_seconds
+from cmpchat.bench.pipeline_schedule import HostLink, decode_seconds, grouped_decode_seconds
 from cmpchat.engine.constraint import json_schema_grammar
 from cmpchat.engine.engine import Engine
 from cmpchat.engine.events import DecodeProgress, Finished
@@ -87,6 +87,25 @@ class DecodeRun:
         outside = max(self.step_seconds - sum(self.stage_replays), 0.0)
         stages = [replay * scale for replay in self.stage_replays]
         return 1 / (decode_seconds(stages, 4 * self.hidden_size, link or HostLink()) + outside)
+
+    def groups_projection(self, read_bandwidth: float, link: HostLink | None = None) -> tuple[float, float] | None:
+        """For a batched run of several stages: projected aggregate tok/s on one CMP card a stage with one decode
+        group of this batch a stage in flight (`pipeline_schedule.grouped_decode_seconds`), and the same cards
+        running one group, in turn (what one card does with the whole model, hops aside). Each stage's replay is
+        scaled as `pipeline_projection` scales it; the host's time a step outside the graphs is added to each
+        group's steps, and a round takes at least that time for every group (one host thread hands them all on).
+        None for batch 1, one stage or an unprofiled run."""
+        if len(self.stage_replays) < 2 or self.batch == 1:
+            return None
+        scale = read_bandwidth / CMP_READ_BANDWIDTH
+        outside = max(self.step_seconds - sum(self.stage_replays), 0.0)
+        stages = [replay * scale for replay in self.stage_replays]
+        hop, ids, link = 4 * self.hidden_size * self.batch, 4 * self.batch, link or HostLink()
+        one_group = decode_seconds(stages, hop, link, ids_bytes=ids) + outside
+        groups = len(stages)
+        grouped = grouped_decode_seconds(stages, groups, hop, link, ids_bytes=ids)
+        period = max(grouped + outside, groups * outside)
+        return groups * self.batch / period, self.batch / one_group
 
 
 def run_decode(
@@ -162,6 +181,16 @@ def run_decode(
         say(f"  decoding {tokens} steps of {batch} sequences at context {context}")
         seconds = _time_replies(engine, backend, batch, context, tokens)
         bytes_ = step_bytes(weights, config, context, batch)
+        stage_replays = []
+        # Each stage's step of this batch alone, for the projection of groups in flight: where the engine filled
+        # one group (stages on one GPU); spread over groups, no group ran the whole batch.
+        if len(backend.stages) > 1 and backend.has_step(batch):
+            for index, stage in enumerate(backend.stages):
+                with stage.on_device():
+                    launches = backend.step_launches(batch, index)
+                    stage_replays.append(
+                        profile_launches(launches, stage.stream, early_launch=stage.early_launch).replay
+                    )
         runs.append(
             DecodeRun(
                 context=context,
@@ -170,6 +199,8 @@ def run_decode(
                 bytes=bytes_,
                 limit=limit_tokens_per_second(read_bandwidth, bytes_.total, batch),
                 step_seconds=seconds / tokens,
+                stage_replays=stage_replays,
+                hidden_size=config.hidden_size,
             )
         )
     engine.stop()

@@ -12,9 +12,10 @@ output goes to host memory on its departure stream (device -> host over its own 
 bytes only when the next stage's turn comes in the tick, then queues their copy to the next card on that card's
 arrival stream (host -> device over its link), where they land while the card still computes its previous
 chunk. (With one copy stream a middle card's arrival would queue behind its departure, which waits for its
-step: every chunk would pay both copies in turn.) Decode is
-sequential: a token goes through every stage in turn, and between cards the chosen id comes back through the
-host.
+step: every chunk would pay both copies in turn.) A decode step of one group is sequential: a token goes through
+every stage in turn, and between cards the chosen id comes back through the host. With one decode group a stage
+in flight (`decode_pipeline.py`), the cards run different groups' steps at once; each card and each direction of
+each link takes the groups' work in the order it comes (the host hands each step on as its bytes arrive).
 """
 
 from __future__ import annotations
@@ -74,6 +75,39 @@ def prefill_seconds(stage_seconds: Sequence[float], chunks: int, hop_bytes: int,
     total = max(compute) if chunks else 0.0
     busy = [chunks * s / total if total else 0.0 for s in stage_seconds]
     return PipelineTime(total, busy)
+
+
+def grouped_decode_seconds(
+    stage_seconds: Sequence[float], groups: int, hop_bytes: int, link: HostLink, *, ids_bytes: int = 8, rounds: int = 40
+) -> float:
+    """Seconds a round takes in the steady state of `groups` decode groups in flight, each stepping once a round:
+    a group's step runs on card k once its hidden states have come down card k - 1's link and up card k's, and
+    its ids go down the last card's link and up the first's before its next step; every card and each direction
+    of every link serves the groups in the order they come. The host is taken to keep up (it only hands on)."""
+    stages = len(stage_seconds)
+    if stages < 1 or groups < 1 or rounds < 2:
+        raise ValueError("one time per stage, at least one group and two rounds")
+    compute = [0.0] * stages  # when each card's compute stream is free
+    down = [0.0] * stages  # and its link, device -> host
+    up = [0.0] * stages  # and host -> device
+    ready = [0.0] * groups  # when each group's next input is on the first card
+    ends = []
+    hop, ids = link.seconds(hop_bytes), link.seconds(ids_bytes)
+    for _ in range(rounds):
+        for group in range(groups):
+            t = ready[group]
+            for k, seconds in enumerate(stage_seconds):
+                t = compute[k] = max(compute[k], t) + seconds
+                if k + 1 < stages:
+                    t = down[k] = max(down[k], t) + hop
+                    t = up[k + 1] = max(up[k + 1], t) + hop
+            if stages > 1:
+                t = down[-1] = max(down[-1], t) + ids
+                t = up[0] = max(up[0], t) + ids
+            ready[group] = t
+        ends.append(max(ready))
+    half = rounds // 2
+    return (ends[-1] - ends[half - 1]) / (rounds - half)
 
 
 def decode_seconds(stage_seconds: Sequence[float], hop_bytes: int, link: HostLink, *, ids_bytes: int = 8) -> float:

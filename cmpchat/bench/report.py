@@ -63,6 +63,15 @@ def format_decode(report: DecodeReport) -> list[str]:
                 f"projected to {len(run.stage_replays)} CMP cards {pipeline:.1f} tok/s (each stage scaled by the "
                 f"read bandwidths, run in turn with each hop's copies: cmpchat/bench/pipeline_schedule.py)"
             )
+        groups = run.groups_projection(report.read_bandwidth)
+        if groups is not None:
+            stages = len(run.stage_replays)
+            steps = " / ".join(f"{replay * 1e3:.2f}" for replay in run.stage_replays)
+            lines.append(
+                f"context {run.context}, {stages} stages, batch {run.batch} (steps alone: {steps} ms): projected to "
+                f"{stages} CMP cards, {stages} groups of {run.batch} in flight {groups[0]:.1f} tok/s = "
+                f"{groups[0] / groups[1]:.2f}x one group of {run.batch} through them ({groups[1]:.1f} tok/s)"
+            )
     if report.shape == "9B":
         published = ", ".join(f"{name} {value} tok/s" for name, value in PUBLISHED_CMP_9B_DECODE.items())
         lines.append(f"published 9B Q8_0 decode on one CMP 100-210: {published}")
@@ -125,6 +134,7 @@ def decode_json(report: DecodeReport) -> dict:
 def _run_json(run: DecodeRun, report: DecodeReport) -> dict:
     llama = report.llama_at(run.context) if run.batch == 1 else None
     pipeline = run.pipeline_projection(report.read_bandwidth)
+    groups = run.groups_projection(report.read_bandwidth)
     return {
         "context": run.context,
         "batch": run.batch,
@@ -138,6 +148,7 @@ def _run_json(run: DecodeRun, report: DecodeReport) -> dict:
         "cmp_projection_tok_s": round(run.cmp_projection, 1) if run.batch == 1 else None,
         "stage_replay_ms": [round(replay * 1e3, 4) for replay in run.stage_replays],
         "pipeline_projection_tok_s": None if pipeline is None else round(pipeline, 1),
+        "groups_in_flight_projection_tok_s": None if groups is None else [round(value, 1) for value in groups],
         "llama_cpp_tok_s": None if llama is None else llama.tokens_per_second,
         "families": [
             {

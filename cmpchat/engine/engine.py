@@ -85,7 +85,14 @@ class Engine(Generic[S]):
         spare = backend.max_sequences - slots
         self.backend = backend
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(slots=slots, max_waiting=max_waiting, prefill_chunk=prefill_chunk, groups=groups)
+        self.scheduler = Scheduler(
+            slots=slots,
+            max_waiting=max_waiting,
+            prefill_chunk=prefill_chunk,
+            groups=groups,
+            group_rows=backend.max_batch,
+            spread=backend.spread_decode_groups,
+        )
         self.prefix_cache = PrefixCache(backend, spare if cache_states is None else min(cache_states, spare))
         self.stats = EngineStats()
         self._ids = itertools.count(1)
@@ -344,7 +351,9 @@ class Engine(Generic[S]):
         logits = None
         if rows:
             try:
-                logits = self.backend.decode([item.sequence for item in rows], [_pending(item) for item in rows])
+                logits = self.backend.decode(
+                    [item.sequence for item in rows], [_pending(item) for item in rows], group=group
+                )
             except Exception as err:
                 self._fail(rows, _describe(err))
                 return [item for item in items if item not in rows], [], None
@@ -467,7 +476,7 @@ class Engine(Generic[S]):
             if selection is None:
                 continue
             item.pending = Chosen(selection, 0)
-            item.group = self.scheduler.least_loaded_group()
+            item.group = self.scheduler.group_to_join(item)
             if item.prompt_done_at is None:
                 item.prompt_done_at = now
                 self._emit(item, [PromptProgress(len(item.prompt), len(item.prompt), item.prompt_rate(now))])

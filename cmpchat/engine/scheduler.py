@@ -3,7 +3,10 @@
 Policy: first come, first served. At most `slots` requests hold a sequence at once; the rest wait in a bounded
 queue (a preempted request waits at its front). Each step spends at most `prefill_chunk` prompt tokens
 (oldest request first), so a long prompt is read a chunk at a time between the decode steps of the others
-instead of stalling them. Decoding requests form `groups` decode groups, each stepped as one batch.
+instead of stalling them. Decoding requests form `groups` decode groups of at most `group_rows` each, each
+stepped as one batch; a request that starts decoding joins the least loaded group (`spread`: the backend runs
+the groups' steps at once) or the first with room (their steps would take turns on one device, so a group
+more is a step more).
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ from cmpchat.engine.request import QueueFull
 
 
 class Scheduler:
-    def __init__(self, *, slots: int, max_waiting: int, prefill_chunk: int, groups: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        slots: int,
+        max_waiting: int,
+        prefill_chunk: int,
+        groups: int = 1,
+        group_rows: int = 16,
+        spread: bool = False,
+    ) -> None:
         if slots < 1:
             raise ValueError("slots must be >= 1")
         if max_waiting < 0:
@@ -25,10 +37,14 @@ class Scheduler:
             raise ValueError("prefill_chunk must be >= 1")
         if groups < 1:
             raise ValueError("groups must be >= 1")
+        if slots > groups * group_rows:
+            raise ValueError(f"{slots} slots exceed {groups} groups of {group_rows} rows")
         self.slots = slots
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
         self.groups = groups
+        self.group_rows = group_rows
+        self.spread = spread
         self.waiting: deque[ActiveRequest] = deque()
         self.running: list[ActiveRequest] = []
         """In admission order: the last is the youngest, the first to be preempted."""
@@ -102,12 +118,15 @@ class Scheduler:
     def decoding(self, group: int) -> list[ActiveRequest]:
         return [item for item in self.running if item.is_decoding and item.group == group]
 
-    def least_loaded_group(self) -> int:
+    def group_to_join(self, joining: ActiveRequest) -> int:
+        """The decode group `joining`, a request that starts decoding, joins (module docstring)."""
         sizes = [0] * self.groups
         for item in self.running:
-            if item.is_decoding:
+            if item.is_decoding and item is not joining:
                 sizes[item.group] += 1
-        return sizes.index(min(sizes))
+        if self.spread:
+            return sizes.index(min(sizes))
+        return next((group for group, size in enumerate(sizes) if size < self.group_rows), sizes.index(min(sizes)))
 
     def remove(self, items: Sequence[ActiveRequest]) -> None:
         """Take requests out, running or waiting."""

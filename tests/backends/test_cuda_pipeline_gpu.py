@@ -1,6 +1,7 @@
 """The CUDA backend as a pipeline of 2 and 3 stages on one GPU against one stage, on real shapes: the same greedy
 tokens and the same logits bit for bit (hidden states cross stages as fp32 through pinned host memory), through
-a long prompt (long-prompt steps and a tail), 64 decode steps fed the ids the GPU chose, and batched decode. The
+a long prompt (long-prompt steps and a tail), 64 decode steps fed the ids the GPU chose, batched decode, and
+batches in one decode group a stage, each group's steps in flight through the stages at once. The
 one stage runs the pipeline's long-prompt steps (PIPELINE_PROMPT_ROWS tokens; its own default is PROMPT_ROWS,
 whose attention splits its keys otherwise).
 
@@ -75,6 +76,49 @@ def batched(backend: CudaBackend, prompts: list[list[int]]) -> np.ndarray:
     return np.stack(steps)
 
 
+def in_groups(backend: CudaBackend, prompts: list[list[int]], groups: int) -> tuple[list[list[int]], list[np.ndarray]]:
+    """16 greedy decode steps of the sequences of `prompts` in `groups` decode groups (sequence i in group
+    i % groups), as the engine runs them: each step queues every group's step, then reads the ids chosen the
+    step before, then queues the choices (each group's step stays in flight through the stages meanwhile).
+    Every sequence's tokens, and each group's last logits."""
+    sequences = [backend.new_sequence() for _ in prompts]
+    for sequence, prompt in zip(sequences, prompts, strict=True):
+        backend.prefill(sequence, prompt)
+    members = [list(range(g, len(prompts), groups)) for g in range(groups)]
+    inputs: list[list] = [[prompts[i][-1] for i in rows] for rows in members]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    choices = None
+    for _ in range(16):
+        logits = [backend.decode([sequences[i] for i in rows], inputs[g], group=g) for g, rows in enumerate(members)]
+        if choices is not None:
+            for rows, choice in zip(members, choices, strict=True):
+                for i, token in zip(rows, choice.tokens(), strict=True):
+                    tokens[i].append(token)
+        choices = [backend.select(step, greedy(step.rows)) for step in logits]
+        inputs = [[Chosen(choice, row) for row in range(choice.rows)] for choice in choices]
+    assert choices is not None
+    for rows, choice in zip(members, choices, strict=True):
+        for i, token in zip(rows, choice.tokens(), strict=True):
+            tokens[i].append(token)
+    last = [backend.to_host(step) for step in logits]
+    for sequence in sequences:
+        backend.release(sequence)
+    return tokens, last
+
+
+def alone_in_groups(backend: CudaBackend, prompts: list[list[int]], groups: int):
+    """What `in_groups` gives, from a backend of one decode group: each group's sequences as a batch of their own."""
+    tokens: list[list[int]] = [[] for _ in prompts]
+    last = []
+    for g in range(groups):
+        rows = list(range(g, len(prompts), groups))
+        group_tokens, group_last = in_groups(backend, [prompts[i] for i in rows], 1)
+        for i, got in zip(rows, group_tokens, strict=True):
+            tokens[i] = got
+        last += group_last
+    return tokens, last
+
+
 def free(backend: CudaBackend) -> None:
     from numba import cuda
 
@@ -97,6 +141,7 @@ def test_two_and_three_stages_equal_one_stage_bit_for_bit(name: str):
     one = load(path, 1, prompt_rows=PIPELINE_PROMPT_ROWS)
     expected_logits, expected_tokens = prompt_and_decode(one, prompt)
     expected_batch = batched(one, prompts)
+    expected_groups = {stages: alone_in_groups(one, prompts, stages) for stages in (2, 3)}
     free(one)
     for stages in (2, 3):
         pipeline = load(path, stages)
@@ -109,6 +154,11 @@ def test_two_and_three_stages_equal_one_stage_bit_for_bit(name: str):
         assert tokens == expected_tokens, f"{stages} stages: greedy tokens differ"
         assert same_bits(logits, expected_logits), f"{stages} stages: logits differ"
         assert same_bits(batched(pipeline, prompts), expected_batch), f"{stages} stages: batched logits differ"
+        assert pipeline.decode_groups == stages
+        tokens, last = in_groups(pipeline, prompts, stages)
+        want_tokens, want_last = expected_groups[stages]
+        assert tokens == want_tokens, f"{stages} stages: tokens of groups in flight differ"
+        assert all(same_bits(a, b) for a, b in zip(last, want_last, strict=True)), f"{stages} stages: group logits"
         layers = [f"{s.layers.start}-{s.layers.stop - 1}" for s in pipeline.stages]
         print(f"{name}, {stages} stages (layers {' / '.join(layers)}): {hops[0]} decode and {hops[1]} prompt hand-offs")
         free(pipeline)

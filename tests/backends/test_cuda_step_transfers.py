@@ -128,7 +128,7 @@ def test_decode_stages_each_rows_inputs_and_pages(
     runs: list[tuple[int, bool]] = []
     stage = backend.stages[0]
     # the inputs only: kernels have their own tests
-    monkeypatch.setattr(stage, "run_decode", lambda bucket, prompt: runs.append((bucket, prompt)))
+    monkeypatch.setattr(stage, "run_decode", lambda bucket, prompt, group=0: runs.append((bucket, prompt)))
     first, second = backend.new_sequence(), backend.new_sequence()
     backend.decode([first, second], [72, 33])
     stage.stream.synchronize()
@@ -269,7 +269,7 @@ def test_a_chosen_token_feeds_the_next_step_on_the_device(
     stage = backend.stages[0]
     runs: list[tuple[int, bool]] = []
     # the inputs only: kernels have their own tests
-    monkeypatch.setattr(stage, "run_decode", lambda bucket, prompt: runs.append((bucket, prompt)))
+    monkeypatch.setattr(stage, "run_decode", lambda bucket, prompt, group=0: runs.append((bucket, prompt)))
     sequence = backend.new_sequence()
     logits = backend.decode([sequence], [5])
     logits.device.copy_to_device(np.eye(1, backend.config.vocab_size, 77, dtype=np.float32))

@@ -21,7 +21,8 @@ from cmpchat.tokenizer import Tokenizer
 
 class StepLog:
     def __init__(self) -> None:
-        self.decode: set[tuple[int, bool]] = set()
+        self.decode: set[tuple[int, int, bool]] = set()
+        """(decode group, rows bucket, rows are one prompt's tokens) of each decode step run"""
         self.prompt: set[int] = set()
         self.prepared: set[int] = set()
 
@@ -30,7 +31,9 @@ class StepLog:
 def log(monkeypatch: pytest.MonkeyPatch) -> dict[str, StepLog]:
     """Where the stubbed steps record themselves: log["now"], which a test points at a fresh StepLog."""
     log = {"now": StepLog()}
-    monkeypatch.setattr(Stage, "run_decode", lambda self, bucket, prompt: log["now"].decode.add((bucket, prompt)))
+    monkeypatch.setattr(
+        Stage, "run_decode", lambda self, bucket, prompt, group=0: log["now"].decode.add((group, bucket, prompt))
+    )
     monkeypatch.setattr(Stage, "prepare_prompt_step", lambda self, slot, run: log["now"].prepared.add(slot))
     monkeypatch.setattr(Stage, "run_prompt", lambda self, slot: log["now"].prompt.add(slot))
     return log
@@ -57,4 +60,9 @@ def test_serving_after_warm_up_runs_only_prepared_steps(tiny_model_path: Path, l
     assert used.decode and used.prompt  # the engine ran both kinds of step
     assert used.decode <= warmed.decode, used.decode - warmed.decode
     assert used.prompt <= warmed.prepared, used.prompt - warmed.prepared
-    assert {bucket for bucket, prompt in used.decode if not prompt} >= {1}
+    assert {bucket for _, bucket, prompt in used.decode if not prompt} >= {1}
+    # The one-row selections with a grammar's mask and with log-probabilities are captured too (their kernels
+    # compile on first use, which would otherwise fall on the first request that asks for them).
+    graphs = backend._pipeline.samplers[0]._by_batch[1].graphs
+    assert {(greedy, masked, reporting) for greedy in (True, False) for masked in (True, False)
+            for reporting in (True, False)} <= set(graphs)  # fmt: skip

@@ -212,3 +212,26 @@ def test_a_pipelines_decode_is_projected_from_each_stage_alone() -> None:
     report = DecodeReport("m.gguf", "NVIDIA H200", 4.5e12, [run], [], early_launch=True)
     assert "projected to 3 CMP cards" in "\n".join(format_decode(report))
     assert decode_json(report)["runs"][0]["pipeline_projection_tok_s"] == pytest.approx(expected, abs=0.05)
+
+
+def test_a_pipelines_batch_is_projected_with_one_group_a_stage_in_flight() -> None:
+    from cmpchat.bench.limits import CMP_READ_BANDWIDTH
+    from cmpchat.bench.pipeline_schedule import HostLink, decode_seconds, grouped_decode_seconds
+
+    config_bytes = step_bytes(9_000_000_000, _config_stub(), 0, 4)
+    run = DecodeRun(context=0, batch=4, tokens_per_second=900.0, bytes=config_bytes, limit=2000.0,
+                    step_seconds=0.0044, stage_replays=[0.0013] * 3, hidden_size=4096)  # fmt: skip
+    scale = 4.5e12 / CMP_READ_BANDWIDTH
+    stages, hop, link = [0.0013 * scale] * 3, 4 * 4096 * 4, HostLink()
+    outside = 0.0044 - 3 * 0.0013
+    aggregate, one_group = run.groups_projection(4.5e12)
+    assert one_group == pytest.approx(4 / (decode_seconds(stages, hop, link, ids_bytes=16) + outside))
+    assert aggregate == pytest.approx(12 / (grouped_decode_seconds(stages, 3, hop, link, ids_bytes=16) + outside))
+    assert 2.5 < aggregate / one_group < 3.0  # three cards, each busy with one group's step most of a round
+    assert run.pipeline_projection(4.5e12) is None  # that one is batch 1's
+    report = DecodeReport("m.gguf", "NVIDIA H200", 4.5e12, [run], [], early_launch=True)
+    assert "3 groups of 4 in flight" in "\n".join(format_decode(report))
+    assert decode_json(report)["runs"][0]["groups_in_flight_projection_tok_s"] == [
+        pytest.approx(aggregate, abs=0.05),
+        pytest.approx(one_group, abs=0.05),
+    ]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cmpchat.bench.pipeline_schedule import HostLink, decode_seconds, prefill_seconds
+from cmpchat.bench.pipeline_schedule import HostLink, decode_seconds, grouped_decode_seconds, prefill_seconds
 
 FREE = HostLink(bytes_per_second=math.inf, latency=0.0)
 
@@ -65,3 +65,28 @@ def test_decode_goes_through_every_stage_and_back():
     assert decode_seconds([0.01], 20_480, link) == pytest.approx(0.01)
     expected = 0.03 + 2 * 2 * link.seconds(20_480) + 2 * link.seconds(8)
     assert decode_seconds([0.01, 0.01, 0.01], 20_480, link) == pytest.approx(expected)
+
+
+def test_one_decode_group_takes_a_round_trip_a_round():
+    link = HostLink(bytes_per_second=1e6, latency=1e-4)
+    stages = [1e-3, 2e-3, 1.5e-3]
+    assert grouped_decode_seconds(stages, 1, 400, link) == pytest.approx(decode_seconds(stages, 400, link))
+
+
+def test_groups_in_flight_keep_every_card_busy_until_the_busiest_sets_the_pace():
+    free = FREE
+    # Three equal stages: three groups fit in one round trip, a fourth makes every card the bottleneck.
+    assert grouped_decode_seconds([1.0] * 3, 3, 0, free) == pytest.approx(3.0)
+    assert grouped_decode_seconds([1.0] * 3, 4, 0, free) == pytest.approx(4.0)
+    assert grouped_decode_seconds([1.0] * 3, 2, 0, free) == pytest.approx(3.0)  # a round trip, cards half idle
+    # Uneven stages: the middle card runs 2 s for each of three groups.
+    assert grouped_decode_seconds([1.0, 2.0, 1.0], 3, 0, free) == pytest.approx(6.0)
+
+
+def test_groups_share_each_links_copies():
+    link = HostLink(bytes_per_second=1.0, latency=0.0)  # a hop's copy takes as long as a stage's step
+    # Two stages of 1 s and a 1 s copy each way: a round trip is 1 + 1 + 1 + 1 (+ the ids' free copies);
+    # each link direction carries one copy a group, so two groups still fit in one round trip.
+    assert grouped_decode_seconds([1.0, 1.0], 1, 1, link, ids_bytes=0) == pytest.approx(4.0)
+    assert grouped_decode_seconds([1.0, 1.0], 2, 1, link, ids_bytes=0) == pytest.approx(4.0)
+    assert grouped_decode_seconds([1.0, 1.0], 5, 1, link, ids_bytes=0) == pytest.approx(5.0)

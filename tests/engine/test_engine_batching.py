@@ -100,8 +100,24 @@ class StepBufferBackend(Recorder):
     def prefill(self, sequence, tokens, *, positions=None):
         return self._store(super().prefill(sequence, tokens, positions=positions))
 
-    def decode(self, sequences, tokens):
-        return self._store(super().decode(sequences, tokens))
+    def decode(self, sequences, tokens, *, group=0):
+        return self._store(super().decode(sequences, tokens, group=group))
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_decode_groups_give_each_request_what_it_gets_alone(tiny: Model, spread: bool) -> None:
+    """Three decode groups (a pipeline of three stages keeps a step of each in flight): the requests spread over
+    them (stages on separate GPUs) or fill one before the next (stages sharing one GPU: 2 rows a step here)."""
+    options = GenerationOptions(max_tokens=12)
+    requests = [GenerationRequest(p, options) for p in prompts(tiny, 7)]
+    expected = [alone(tiny, r).content for r in requests]
+    backend = Recorder(tiny.backend)
+    backend.decode_groups, backend.spread_decode_groups, backend.max_batch = 3, spread, 2
+    engine = Engine(backend, tiny.tokenizer, slots=4, prefill_chunk=256, cache_states=0)  # 4 prompts a step
+    collector = run_all(engine, requests)
+    assert [collector.finished(i).content for i in range(len(requests))] == expected
+    rows = [len(ids) for kind, ids in backend.calls if kind == "decode"]
+    assert max(rows) == 2 and set(backend.groups) == ({0, 1, 2} if spread else {0, 1})
 
 
 def test_logits_are_selected_before_the_next_step_overwrites_them(tiny: Model) -> None:

@@ -104,10 +104,12 @@ def test_a_failing_step_fails_the_reply_after_the_text_before_it(tiny: Tiny, mon
     engine, backend = engine_for(tiny)
     decode = backend.decode
 
-    def refuse_the_fourth(sequences: Sequence[ScriptedSequence], tokens: Sequence[TokenInput]) -> HostLogits:
+    def refuse_the_fourth(
+        sequences: Sequence[ScriptedSequence], tokens: Sequence[TokenInput], *, group: int = 0
+    ) -> HostLogits:
         if backend.log.count("step") == 3:
             raise CmpchatError("the device's context is full")
-        return decode(sequences, tokens)
+        return decode(sequences, tokens, group=group)
 
     monkeypatch.setattr(backend, "decode", refuse_the_fourth)
     events = list(engine.generate(GenerationRequest(say(tiny, "abcdefgh"), GenerationOptions())))

@@ -85,6 +85,12 @@ class HostBridge:
         self._taken.append((turn, source.size))
         self._next = (turn + 1) % len(self.host)
 
+    def ready(self) -> bool:
+        """Whether the oldest taken bytes are in host memory already (so `deliver` would not wait)."""
+        if not self._taken:
+            raise RuntimeError("nothing was taken to deliver")
+        return SIMULATOR or bool(self._written[self._taken[0][0]].query())  # the simulator runs copies at once
+
     def deliver(self, target: Any) -> None:
         """Wait until the oldest taken bytes are in host memory, then queue their copy into `target` (the
         consumer's, as large as what was taken) behind the consumer's work."""

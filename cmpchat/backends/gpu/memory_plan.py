@@ -122,16 +122,18 @@ def plan_stage(
     kv_tokens: int | None = None,
     page_tokens: int = PAGE_TOKENS,
     prompt_scratch: int = 0,
+    decode_scratch: int | None = None,
 ) -> StagePlan:
     """Fit `weights` bytes and `sequences` recurrent states, then a KV pool of what is left (at most
     `kv_tokens`, and at most `sequences` full contexts), with `prompt_scratch` bytes for the long-prompt step's buffers and the page tables
-    (`PromptBuffers.reserved_bytes`, `StepBuffers.page_table_bytes`)."""
+    (`PromptBuffers.reserved_bytes`, `StepBuffers.page_table_bytes`) and `decode_scratch` for the decode steps'
+    buffers (default: one decode group's, `scratch_bytes`)."""
     if not 1 <= sequences <= MAX_SEQUENCES:
         raise CmpchatError(f"a GPU holds 1 to {MAX_SEQUENCES} sequence states, not {sequences}")
     layer_range = range(config.num_layers) if layers is None else range(min(layers), max(layers) + 1)
     recurrent = sequences * recurrent_bytes_per_sequence
     model_context = min(context or config.context_length, config.context_length)
-    scratch = scratch_bytes(config) + prompt_scratch
+    scratch = (scratch_bytes(config) if decode_scratch is None else decode_scratch) + prompt_scratch
     fixed = weights + recurrent + scratch + RESERVE_BYTES
     # No set of sequences reads more than all of them at full context, each in whole pages: a larger pool
     # would only hold memory.

@@ -2,8 +2,9 @@
 
 A stage (`stage.py`) is one GPU running a contiguous range of layers (`pipeline_plan.py` chooses the ranges); a
 GPU may hold several. The embedding runs on the first stage, the final norm, LM head and token selection on the
-last; hidden states cross from stage to stage through pinned host memory (`bridge.py`: `_hand_off` for decode
-steps, an overlapped hand-off per hop for a pipelined prompt's chunks).
+last; hidden states cross from stage to stage through pinned host memory (`bridge.py`), for decode steps as
+`decode_pipeline.py` hands them on (a step of each of up to one decode group a stage in flight at once), for a
+pipelined prompt's chunks through an overlapped hand-off per hop.
 
 Sequences draw KV pages from one pool (`kv_pool`, shared by all of them; a fork shares its pages) and each holds
 one recurrent-state slot. A decode step allocates nothing: its inputs (tokens, positions, state slots and page
@@ -30,13 +31,14 @@ from cmpchat.backends.base import (
     Chosen,
     Logits,
     Progress,
+    Selection,
     Selector,
     StageSummary,
     TokenInput,
     host_tokens,
 )
-from cmpchat.backends.gpu.bridge import HandOffSide, HostBridge, OverlappedHandOff
-from cmpchat.backends.gpu.buffers import ordering_event
+from cmpchat.backends.gpu.bridge import HandOffSide, OverlappedHandOff
+from cmpchat.backends.gpu.decode_pipeline import DecodePipeline, InFlightStep
 from cmpchat.backends.gpu.device import GpuInfo, gpu_count, gpu_info, stage_budgets
 from cmpchat.backends.gpu.kv_layout import FP16, KvLayout
 from cmpchat.backends.gpu.memory_plan import (
@@ -51,7 +53,6 @@ from cmpchat.backends.gpu.memory_plan import (
 from cmpchat.backends.gpu.pipeline_plan import LayerCosts, split_layers
 from cmpchat.backends.gpu.prompt_step import PromptBuffers
 from cmpchat.backends.gpu.prompt_step import prompt_rows as default_prompt_rows
-from cmpchat.backends.gpu.sampler import GpuChoice, GpuSampler
 from cmpchat.backends.gpu.stage import Stage
 from cmpchat.backends.gpu.stage_loading import StageLoad, load_stages
 from cmpchat.backends.gpu.step import MAX_ROWS, StepBuffers
@@ -62,7 +63,7 @@ from cmpchat.kernels.device_table import DeviceTuning, default_tuning
 from cmpchat.kernels.gemv import TOKEN_BUCKETS, token_bucket
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
-from cmpchat.sampling import SamplingParams
+from cmpchat.sampling import SamplingParams, mask_words
 
 
 @dataclass(eq=False)
@@ -79,10 +80,18 @@ class CudaSequence:
 
 @dataclass(frozen=True)
 class CudaLogits(Logits):
-    """Logits of a step's rows, still on the last stage's GPU ([rows, vocab] view of a step buffer)."""
+    """Logits of a step's rows, still on the last stage's GPU ([rows, vocab] view of a step buffer), of decode
+    group `group`'s step `step` while that is in flight."""
 
     device: Any
     rows: int
+    group: int = 0
+    step: InFlightStep | None = None
+
+
+def pipeline_decode_groups(stages: int) -> int:
+    """Decode groups a pipeline of `stages` keeps in flight: one a stage, so each can run a group's step."""
+    return stages
 
 
 class CudaBackend(Backend[CudaSequence]):
@@ -127,6 +136,10 @@ class CudaBackend(Backend[CudaSequence]):
         tunings = [tuning or default_tuning(info) for info in infos]
         self.gpu, self.tuning = infos[0], tunings[0]
         last_index = len(self.plans) - 1
+        self.decode_groups = pipeline_decode_groups(len(self.plans))
+        self.spread_decode_groups = len({info.index for info in infos}) == len(infos) > 1
+        """Stages on separate GPUs run different groups' steps at once; on one GPU they would contend, so the
+        engine fills one group before it starts the next."""
         self.prompt_rows = prompt_rows or default_prompt_rows(len(self.plans))
         """Tokens per long-prompt step (fewer in a pipeline: `prompt_step.PIPELINE_PROMPT_ROWS`)."""
 
@@ -138,7 +151,8 @@ class CudaBackend(Backend[CudaSequence]):
                     f"loading weights onto GPU {info.index} (stage {i}, layers {p.layers.start}-{p.layers.stop - 1})"
                 )
             load = partial(Stage.load, i, info, row, p, model_file, config, layout, first=i == 0, last=i == last_index,
-                           prompt_rows=self.prompt_rows, use_graphs=use_graphs)  # fmt: skip
+                           prompt_rows=self.prompt_rows, decode_groups=self.decode_groups,
+                           use_graphs=use_graphs)  # fmt: skip
             loads.append(StageLoad(info.index, label, p.weights, load))  # the plan's weights: what the stage uploads
         self.stages = load_stages(loads, progress)
         if {stage.gpu.index for stage in self.stages} == {0}:
@@ -149,10 +163,8 @@ class CudaBackend(Backend[CudaSequence]):
         self.pool = PagePool(self.plans[0].pool_pages, self.plans[0].page_tokens)
         self.context_limit = min(p.context_limit for p in self.plans)
         hops = list(zip(self.stages, self.stages[1:], strict=False))
-        self.bridges = [
-            HostBridge((stage.on_device, stage.stream), (after.on_device, after.stream), MAX_ROWS * config.hidden_size)
-            for stage, after in hops
-        ]
+        self._pipeline = DecodePipeline(self.stages, self.decode_groups, config.hidden_size, use_graphs)
+        self.bridges = self._pipeline.bridges
         self.prompt_hops = [
             OverlappedHandOff(
                 HandOffSide(
@@ -166,17 +178,7 @@ class CudaBackend(Backend[CudaSequence]):
             if stage.prompt is not None and after.prompt is not None
         ]
         """Each hop's hand-offs of a pipelined prompt's chunks (none where a stage has no long-prompt step)."""
-        first, last = self.stages[0], self.stages[-1]
-        self._ids_on_device = first.gpu.index == last.gpu.index
-        """Whether the selection writes the chosen ids into the first stage's token input (same GPU; across
-        GPUs they come back through the host, as there is no P2P)."""
-        with last.on_device():
-            token_rows = first.buffers.tokens if self._ids_on_device else last.buffers.tokens
-            self._sampler = GpuSampler(last.stream, use_graphs, last.buffers.logits, token_rows)
-            self._selected = ordering_event()
         self._free_slots = list(range(self.max_sequences))[::-1]
-        self._fed: GpuChoice | None = None
-        """The selection whose ids the first stage's token input holds (no step has uploaded tokens since)."""
 
     @staticmethod
     def memory_plans(
@@ -207,6 +209,7 @@ class CudaBackend(Backend[CudaSequence]):
         pages_per_row = -(-model_context // page_tokens)
         last = len(infos) - 1
         rows_per_step = prompt_rows or default_prompt_rows(len(infos))
+        decode_scratch = pipeline_decode_groups(len(infos)) * scratch_bytes(config)
         prompt_scratch = [
             PromptBuffers.reserved_bytes(config, row, info.multiprocessors, rows_per_step, pages_per_row,
                                          receives=i > 0, sends=i < last)
@@ -234,6 +237,7 @@ class CudaBackend(Backend[CudaSequence]):
                 kv_tokens=pool_tokens,
                 page_tokens=page_tokens,
                 prompt_scratch=prompt_scratch[stage],
+                decode_scratch=decode_scratch,
             )
 
         if len(infos) == 1:
@@ -252,7 +256,7 @@ class CudaBackend(Backend[CudaSequence]):
         full_contexts = sequences * pages_per_row * page_tokens
         most = full_contexts if kv_tokens is None else min(kv_tokens, full_contexts)
         found = split_layers(
-            costs, budgets, [scratch_bytes(config) + s for s in prompt_scratch], sequences=sequences,
+            costs, budgets, [decode_scratch + s for s in prompt_scratch], sequences=sequences,
             page_tokens=page_tokens, most_tokens=most, least_tokens=least, counts=split, describe=lambda: config.name,
             labels=[f"GPU {info.index}" for info in infos],
         )  # fmt: skip
@@ -266,7 +270,7 @@ class CudaBackend(Backend[CudaSequence]):
         """Let go of every device buffer now (benchmarks load the next model, or llama.cpp, right after);
         the backend cannot run steps afterwards."""
         self.stages = []
-        del self._sampler
+        del self._pipeline
 
     def stage_summaries(self) -> list[StageSummary]:
         sent = [(bridge.handoffs, bridge.bytes) for bridge in self.bridges] + [(0, 0)]
@@ -288,15 +292,20 @@ class CudaBackend(Backend[CudaSequence]):
 
     def warm_up(self, progress: Progress | None = None, *, max_rows: int = 1) -> None:
         """Compile, load and capture every step the engine runs, so no request waits for any of it (seconds
-        where Numba's cache is cold): the decode step of every batch bucket up to `max_rows` rows, the prompt-tail
-        step of every chunk size, the token selections, and the long-prompt step of every state slot. The
-        steps run on idle rows (no token, no cache index, no state slot: they write nothing a sequence reads),
-        except the first long-prompt step, which runs once into a free slot (cleared when a sequence takes it)."""
+        where Numba's cache is cold): every decode group's decode step of every batch bucket up to `max_rows`
+        rows, the prompt-tail step of every chunk size, the token selections (at one row also with a grammar's
+        mask and with log-probabilities, whose kernels would otherwise compile during the first request that asks
+        for them), and the long-prompt step of every state slot. The steps run on idle rows (no token, no cache
+        index, no state slot: they write nothing a sequence reads), except the first long-prompt step, which runs
+        once into a free slot (cleared when a sequence takes it)."""
         buckets = [b for b in TOKEN_BUCKETS if b <= token_bucket(max(1, min(max_rows, MAX_ROWS)))]
-        work: list[tuple[str, int]] = [("decode", b) for b in buckets] + [("tail", b) for b in TOKEN_BUCKETS]
+        groups = range(self.decode_groups)
+        work: list[tuple[str, int, int]] = [("decode", b, g) for g in groups for b in buckets]
+        work += [("tail", b, 0) for b in TOKEN_BUCKETS]
         if all(stage.prompt is not None for stage in self.stages):
-            work += [("prompt", slot) for slot in range(self.max_sequences)]
-        for done, (kind, size) in enumerate(work):
+            work += [("prompt", slot, 0) for slot in range(self.max_sequences)]
+        self._pipeline.drain()
+        for done, (kind, size, group) in enumerate(work):
             if progress is not None:
                 progress("preparing the GPU kernels", done, len(work))
             if kind == "prompt":
@@ -304,21 +313,27 @@ class CudaBackend(Backend[CudaSequence]):
                     with stage.on_device():
                         stage.prepare_prompt_step(size, run=size == 0)
                 continue
-            self._upload_inputs([], [], [], [], tokens_on_device=False)
+            self._upload_inputs([], [], [], [], tokens_on_device=False, group=group)
             for stage in self.stages:
                 with stage.on_device():
-                    stage.run_decode(size, kind == "tail")
+                    stage.run_decode(size, kind == "tail", group)
             if kind == "decode":
-                logits = CudaLogits(self.stages[-1].buffers.logits[:size], size)
-                rng = np.random.default_rng(0)
-                for params in (SamplingParams(), SamplingParams(temperature=1.0)):  # both selections' graphs
-                    self.select(logits, [Selector(params, [0], rng)] * size).tokens()
-        self._fed = None
+                self._warm_selections(CudaLogits(self.stages[-1].group_buffers[group].logits[:size], size, group))
+        self._pipeline.fed = [None] * self.decode_groups
         for stage in self.stages:
             with stage.on_device():
                 stage.stream.synchronize()
         if progress is not None:
             progress("preparing the GPU kernels", len(work), len(work))
+
+    def _warm_selections(self, logits: CudaLogits) -> None:
+        rng = np.random.default_rng(0)
+        every = np.full(mask_words(self.config.vocab_size), 0xFFFFFFFF, np.uint32)
+        for params in (SamplingParams(), SamplingParams(temperature=1.0)):  # both selections' graphs
+            self.select(logits, [Selector(params, [0], rng)] * logits.rows).tokens()
+            if logits.rows == 1:
+                for allowed, logprobs in ((every, None), (None, 1), (every, 1)):
+                    self.select(logits, [Selector(params, [0], rng, allowed=allowed, logprobs=logprobs)]).tokens()
 
     # -- sequences --------------------------------------------------------------------------------
 
@@ -327,6 +342,7 @@ class CudaBackend(Backend[CudaSequence]):
         return self.max_sequences - len(self._free_slots)
 
     def new_sequence(self) -> CudaSequence:
+        self._pipeline.drain()  # a step in flight may still write the state of a slot given back
         slot = self._take_slot()
         for stage in self.stages:
             with stage.on_device():
@@ -335,6 +351,7 @@ class CudaBackend(Backend[CudaSequence]):
 
     def fork(self, sequence: CudaSequence) -> CudaSequence:
         _check_live(sequence)
+        self._pipeline.drain()  # the state copied is the one after every step queued for `sequence`
         slot = self._take_slot()
         for stage in self.stages:
             with stage.on_device():
@@ -343,6 +360,7 @@ class CudaBackend(Backend[CudaSequence]):
 
     def release(self, sequence: CudaSequence) -> None:
         if sequence.slot >= 0:
+            self._pipeline.drain()  # its steps in flight still write its pages and state slot
             sequence.pages.release()
             self._free_slots.append(sequence.slot)
             sequence.slot = -1
@@ -403,6 +421,7 @@ class CudaBackend(Backend[CudaSequence]):
                 f"{len(tokens)} more tokens need {sequence.pages.pages_to_grow(len(tokens))} KV pages but "
                 f"{self.pool.free_pages} are free"
             )
+        self._pipeline.drain()  # a prompt step uses the first group's buffers and every stage's streams in turn
         out: list[CudaLogits] = []
         done = 0
         long_steps = not every_row and all(stage.prompt is not None for stage in self.stages)
@@ -418,7 +437,9 @@ class CudaBackend(Backend[CudaSequence]):
                 take(out[-1])
         return out
 
-    def decode(self, sequences: Sequence[CudaSequence], tokens: Sequence[TokenInput]) -> CudaLogits:
+    def decode(self, sequences: Sequence[CudaSequence], tokens: Sequence[TokenInput], *, group: int = 0) -> CudaLogits:
+        if not 0 <= group < self.decode_groups:
+            raise ValueError(f"decode group {group} of {self.decode_groups}")
         if len(sequences) != len(tokens):
             raise ValueError("one token per sequence")
         if len({id(s) for s in sequences}) != len(sequences):
@@ -426,46 +447,34 @@ class CudaBackend(Backend[CudaSequence]):
         needed = sum(s.pages.pages_to_grow(1) for s in sequences)
         if needed > self.pool.free_pages:
             raise PoolExhausted(f"this step needs {needed} KV pages but {self.pool.free_pages} are free")
-        on_device = self._chosen_here(tokens)
+        on_device = self._chosen_here(tokens, group)
         ids = None if on_device else host_tokens(tokens)
-        return self._step(sequences, ids, [None] * len(sequences))
+        return self._step(sequences, ids, [None] * len(sequences), group=group)
 
-    def _chosen_here(self, tokens: Sequence[TokenInput]) -> bool:
-        """Whether the inputs are the ids the latest selection wrote into the token input, row for row (so the
-        step reads them there, without waiting for them)."""
-        fed = self._fed
+    def _chosen_here(self, tokens: Sequence[TokenInput], group: int = 0) -> bool:
+        """Whether the inputs are the ids the group's latest selection wrote into its token input, row for row
+        (so the step reads them there, without waiting for them)."""
+        fed = self._pipeline.fed[group]
         rows = len(tokens)
         return (
-            self._ids_on_device
+            self._pipeline.ids_on_device
             and fed is not None
             and rows == fed.rows == token_bucket(rows)
             and all(isinstance(t, Chosen) and t.selection is fed and t.row == i for i, t in enumerate(tokens))
         )
 
-    def select(self, logits: Logits, selectors: Sequence[Selector]) -> GpuChoice:
+    def select(self, logits: Logits, selectors: Sequence[Selector]) -> Selection:
         """Select on the GPU: only the B chosen ids cross PCIe (a CMP's Gen1 x1 link moves ~250 MB/s)."""
         if not isinstance(logits, CudaLogits):
             raise TypeError(f"{type(logits).__name__} is not this backend's logits")
         if len(selectors) != logits.rows:
             raise ValueError(f"{len(selectors)} selectors for {logits.rows} rows of logits")
-        last = self.stages[-1]
-        with last.on_device():
-            self._fed = self._sampler.select(
-                logits.device,
-                [s.params for s in selectors],
-                [s.history for s in selectors],
-                [s.rng for s in selectors],
-                allowed=[s.allowed for s in selectors],
-                logprobs=[s.logprobs for s in selectors],
-            )
-            if len(self.stages) > 1 and self._ids_on_device:  # the first stage's next step reads the ids
-                self._selected.record(last.stream)
-                self._selected.wait(self.stages[0].stream)
-        return self._fed
+        return self._pipeline.select(logits.group, logits.device, logits.step, selectors)
 
     def to_host(self, logits: Logits) -> np.ndarray:
         if not isinstance(logits, CudaLogits):
             raise TypeError(f"{type(logits).__name__} is not this backend's logits")
+        self._pipeline.drain()
         last = self.stages[-1]
         with last.on_device():
             host = logits.device.copy_to_host(stream=last.stream)
@@ -487,9 +496,11 @@ class CudaBackend(Backend[CudaSequence]):
         positions: Sequence[np.ndarray | None],
         *,
         prompt: bool = False,
+        group: int = 0,
     ) -> CudaLogits:
-        """One step: a token for each row's sequence, or (`prompt`) consecutive tokens of one sequence. None for
-        `tokens`: the last selection's ids, already in the step's token input."""
+        """One step of `group`: a token for each row's sequence, or (`prompt`) consecutive tokens of one sequence.
+        None for `tokens`: the group's last selection's ids, already in the step's token input. A decode step is
+        left in flight through the stages (`DecodePipeline`); a prompt's is queued on every stage at once."""
         rows = len(sequences)
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"a step takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -501,6 +512,7 @@ class CudaBackend(Backend[CudaSequence]):
                 )
         if tokens is not None and not all(0 <= token < self.config.vocab_size for token in tokens):
             raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}")
+        self._pipeline.force_group(group)  # its buffers on every stage are about to be written
         row_tokens, row_positions, row_slots, row_pages = [], [], [], []
         for row, (sequence, position) in enumerate(zip(sequences, positions, strict=True)):
             token = 0 if tokens is None else tokens[row]
@@ -512,14 +524,13 @@ class CudaBackend(Backend[CudaSequence]):
             row_positions.append((length, t, h, w))
             row_slots.append(sequence.slot)
             row_pages.append(sequence.pages.pages)
-        self._upload_inputs(row_tokens, row_positions, row_slots, row_pages, tokens_on_device=tokens is None)
-        bucket = token_bucket(rows)
-        for stage in self.stages:
-            with stage.on_device():
-                stage.run_decode(bucket, prompt)
-            if stage.index + 1 < len(self.stages):
-                self._hand_off(stage, stage.buffers.hidden[:rows], self.stages[stage.index + 1].buffers.hidden[:rows])
-        return CudaLogits(self.stages[-1].buffers.logits[:rows], rows)
+        self._upload_inputs(
+            row_tokens, row_positions, row_slots, row_pages, tokens_on_device=tokens is None, group=group
+        )
+        step = self._pipeline.start(group, rows, token_bucket(rows), prompt)
+        if prompt:
+            self._pipeline.force(step)
+        return CudaLogits(self.stages[-1].group_buffers[group].logits[:rows], rows, group, step)
 
     def _upload_inputs(
         self,
@@ -529,19 +540,21 @@ class CudaBackend(Backend[CudaSequence]):
         pages: list[list[int]],
         *,
         tokens_on_device: bool,
+        group: int = 0,
     ) -> None:
-        """Stage and queue every stage's step inputs; rows past those given stay idle."""
+        """Stage and queue every stage's step inputs of `group`; rows past those given stay idle."""
         rows = len(tokens)
         for stage in self.stages:
-            host_tokens_, host_positions, host_slots = stage.buffers.inputs.stage()
+            inputs = stage.group_buffers[group].inputs
+            host_tokens_, host_positions, host_slots = inputs.stage()
             host_tokens_[:rows] = tokens
             if rows:
                 host_positions[:rows] = positions
             host_slots[:rows] = slots
             with stage.on_device():
-                stage.buffers.inputs.upload(stage.stream, pages, tokens_on_device=tokens_on_device)
+                inputs.upload(stage.stream, pages, tokens_on_device=tokens_on_device)
         if not tokens_on_device:
-            self._fed = None
+            self._pipeline.fed[group] = None
 
     def _prompt_steps(self, sequence: CudaSequence, ids: np.ndarray, positions: np.ndarray | None) -> CudaLogits:
         """Long-prompt steps of `prompt_rows` tokens each (room in the context checked by the caller), pipelined
@@ -580,16 +593,15 @@ class CudaBackend(Backend[CudaSequence]):
         assert last is not None
         return CudaLogits(last.logits, 1)
 
-    def _hand_off(self, stage: Stage, source: Any, target: Any) -> None:
-        """Pass `stage`'s hidden states (`source`) to the next stage's input (`target`) through the host
-        (`bridge.py`: never P2P, ordered by the host)."""
-        self.bridges[stage.index].send(source, target)
-
     # -- benchmarks ---------------------------------------------------------------------------------------
 
+    def has_step(self, rows: int) -> bool:
+        """Whether the first decode group has run a decode step of `rows` sequences (`step_launches` has it)."""
+        return all((0, token_bucket(rows), False) in stage.decode_steps for stage in self.stages)
+
     def step_launches(self, rows: int, stage: int = 0) -> list[Any]:
-        """The launches of a decode step of `rows` sequences on stage `stage`, as last run."""
-        return self.stages[stage].decode_steps[token_bucket(rows), False].launches
+        """The launches of the first decode group's step of `rows` sequences on stage `stage`, as last run."""
+        return self.stages[stage].decode_steps[0, token_bucket(rows), False].launches
 
     def prompt_step_launches(self, sequence: CudaSequence, stage: int = 0) -> list[Any]:
         """The launches of `sequence`'s long-prompt step on stage `stage`, as last run."""
@@ -597,6 +609,7 @@ class CudaBackend(Backend[CudaSequence]):
 
     def synchronize(self) -> None:
         """Wait until every stage's GPU has run everything queued on it."""
+        self._pipeline.drain()
         for stage in self.stages:
             with stage.on_device():
                 stage.stream.synchronize()
@@ -615,6 +628,7 @@ class CudaBackend(Backend[CudaSequence]):
         """Benchmarks only: make `sequence` `length` tokens long without running those tokens. Its cached keys
         and values are zeros, so the next steps read (and cost) what a real context that long does."""
         _check_live(sequence)
+        self._pipeline.drain()
         if not 0 <= length - sequence.length < self.context_limit - sequence.length:
             raise ValueError(f"length must be below the {self.context_limit}-token context")
         before = len(sequence.pages.pages)

@@ -318,7 +318,7 @@ class GpuSampler:
         if any(top is not None and not 0 <= top <= MAX_TOP for top in reports):
             raise ValueError(f"a row may report at most {MAX_TOP} most likely tokens")
         reporting = any(top is not None for top in reports)
-        width = max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
+        width = self.history_window(params)
         rows = self.logits_rows[:batch]
         if _address(logits) != _address(rows):
             rows.copy_to_device(logits, stream=self.stream)
@@ -351,6 +351,11 @@ class GpuSampler:
             selection.mask_inputs().upload(masks, stream)
         selection.graph(greedy, any(masked), reporting).run(stream)
         return GpuChoice(selection.queue_fetch(stream, reporting), reports)
+
+    @staticmethod
+    def history_window(params: Sequence[SamplingParams]) -> int:
+        """How many of each row's latest tokens a selection with `params` reads (for its penalties)."""
+        return max([WINDOW, *(p.penalty_window for p in params if p.has_penalties)])
 
     def _selection(self, logits: Any, batch: int, width: int) -> _Selection:
         selection = self._by_batch.get(batch)

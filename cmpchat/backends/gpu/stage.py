@@ -44,7 +44,8 @@ class Stage:
     weights: StageWeights
     kv: KvPages
     states: RecurrentStates
-    buffers: StepBuffers
+    group_buffers: list[StepBuffers]
+    """The decode step's buffers of each decode group: a pipeline keeps a step of every group in flight at once."""
     prompt: PromptBuffers | None
     """The long-prompt step's buffers (None: this stage's layers cannot take it; prompts run 16 rows a step)."""
     stream: Any
@@ -55,8 +56,9 @@ class Stage:
     use_graphs: bool
     switches_device: bool = True
     """Whether `on_device` makes the stage's GPU current (the backend turns it off when every stage is on GPU 0)."""
-    decode_steps: dict[tuple[int, bool], StepLaunches] = field(default_factory=dict)
-    """(rows bucket, rows are one prompt's tokens) -> the step (its launches hold their attention scratch)"""
+    decode_steps: dict[tuple[int, int, bool], StepLaunches] = field(default_factory=dict)
+    """(decode group, rows bucket, rows are one prompt's tokens) -> the step (its launches hold their attention
+    scratch)"""
     prompt_steps: dict[int, StepLaunches] = field(default_factory=dict)
     """sequence state slot -> its long-prompt step (the GDN kernels take the slot)"""
 
@@ -67,6 +69,11 @@ class Stage:
     @property
     def is_last(self) -> bool:
         return self.weights.lm_head is not None
+
+    @property
+    def buffers(self) -> StepBuffers:
+        """The first decode group's step buffers (prompt tails and warm-up run there)."""
+        return self.group_buffers[0]
 
     @property
     def layers(self) -> range:
@@ -100,12 +107,13 @@ class Stage:
         first: bool,
         last: bool,
         prompt_rows: int,
+        decode_groups: int,
         use_graphs: bool,
         on_upload: Callable[[int], None],
     ) -> Stage:
         """The stage's weights, caches, states and buffers on its GPU; its long-prompt step runs `prompt_rows`
         tokens, with staging buffers for the hand-offs from the stage before (unless `first`) and to the next
-        (unless `last`)."""
+        (unless `last`); a decode step's buffers for each of `decode_groups`."""
 
         def make() -> Stage:
             layers = plan.layers
@@ -126,7 +134,7 @@ class Stage:
                 weights=weights,
                 kv=layout.allocate(config, attention, plan.pool_pages, plan.page_tokens),
                 states=RecurrentStates.allocate(config, recurrent, plan.sequences),
-                buffers=StepBuffers.allocate(config, pages_per_row),
+                group_buffers=[StepBuffers.allocate(config, pages_per_row) for _ in range(decode_groups)],
                 prompt=prompt,
                 stream=cuda.stream(),
                 arrival_stream=cuda.stream(),
@@ -148,17 +156,18 @@ class Stage:
 
     # -- steps ------------------------------------------------------------------------------------
 
-    def run_decode(self, bucket: int, prompt: bool) -> None:
-        """Replay the decode step of `bucket` rows (built, run eagerly and captured the first time)."""
-        step = self.decode_steps.get((bucket, prompt))
+    def run_decode(self, bucket: int, prompt: bool, group: int = 0) -> None:
+        """Replay `group`'s decode step of `bucket` rows (built, run eagerly and captured the first time)."""
+        step = self.decode_steps.get((group, bucket, prompt))
         if step is None:
             sms = self.gpu.multiprocessors
             splits = AttentionSplits.allocate(self.config, bucket, sms, self.tuning)  # held by the launches
+            buffers = self.group_buffers[group]
             launches = decode_launches(
-                self.config, self.weights, self.kv, self.states, self.buffers, splits, bucket, sms, self.tuning,
+                self.config, self.weights, self.kv, self.states, buffers, splits, bucket, sms, self.tuning,
                 tokens_per_sequence=bucket if prompt else 1,
             )  # fmt: skip
-            self.decode_steps[bucket, prompt] = StepLaunches.run_then_capture(
+            self.decode_steps[group, bucket, prompt] = StepLaunches.run_then_capture(
                 launches, self.stream, self.use_graphs, early_launch=self.early_launch
             )
         else:

@@ -219,7 +219,9 @@ class ReferenceBackend(Backend[ReferenceSequence]):
     def score(self, sequence: ReferenceSequence, tokens: Sequence[int]) -> np.ndarray:
         return self._logits(self._forward([self._segment(sequence, tokens, None)]))
 
-    def decode(self, sequences: Sequence[ReferenceSequence], tokens: Sequence[TokenInput]) -> HostLogits:
+    def decode(
+        self, sequences: Sequence[ReferenceSequence], tokens: Sequence[TokenInput], *, group: int = 0
+    ) -> HostLogits:
         if len(sequences) != len(tokens):
             raise ValueError("one token per sequence")
         if not 1 <= len(sequences) <= self.max_batch:
