@@ -109,7 +109,7 @@ def in_groups(backend: CudaBackend, prompts: list[list[int]], groups: int) -> tu
 def alone_in_groups(backend: CudaBackend, prompts: list[list[int]], groups: int):
     """What `in_groups` gives, from a backend of one decode group: each group's sequences as a batch of their own."""
     tokens: list[list[int]] = [[] for _ in prompts]
-    last = []
+    last: list[np.ndarray] = []
     for g in range(groups):
         rows = list(range(g, len(prompts), groups))
         group_tokens, group_last = in_groups(backend, [prompts[i] for i in rows], 1)
@@ -155,9 +155,9 @@ def test_two_and_three_stages_equal_one_stage_bit_for_bit(name: str):
         assert same_bits(logits, expected_logits), f"{stages} stages: logits differ"
         assert same_bits(batched(pipeline, prompts), expected_batch), f"{stages} stages: batched logits differ"
         assert pipeline.decode_groups == stages
-        tokens, last = in_groups(pipeline, prompts, stages)
+        group_tokens, last = in_groups(pipeline, prompts, stages)
         want_tokens, want_last = expected_groups[stages]
-        assert tokens == want_tokens, f"{stages} stages: tokens of groups in flight differ"
+        assert group_tokens == want_tokens, f"{stages} stages: tokens of groups in flight differ"
         assert all(same_bits(a, b) for a, b in zip(last, want_last, strict=True)), f"{stages} stages: group logits"
         layers = [f"{s.layers.start}-{s.layers.stop - 1}" for s in pipeline.stages]
         print(f"{name}, {stages} stages (layers {' / '.join(layers)}): {hops[0]} decode and {hops[1]} prompt hand-offs")

@@ -58,7 +58,8 @@ class FakeSampler:
 
 def pipeline(stages: int, groups: int) -> tuple[DecodePipeline, list[tuple[int, int]]]:
     log: list[tuple[int, int]] = []
-    pipe = DecodePipeline([FakeStage(i, groups, log) for i in range(stages)], groups, WIDTH, use_graphs=False)
+    fakes: list = [FakeStage(i, groups, log) for i in range(stages)]
+    pipe = DecodePipeline(fakes, groups, WIDTH, use_graphs=False)
     pipe.samplers = [FakeSampler(log, g) for g in range(groups)]  # type: ignore[misc]
     return pipe, log
 

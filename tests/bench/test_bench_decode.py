@@ -224,7 +224,9 @@ def test_a_pipelines_batch_is_projected_with_one_group_a_stage_in_flight() -> No
     scale = 4.5e12 / CMP_READ_BANDWIDTH
     stages, hop, link = [0.0013 * scale] * 3, 4 * 4096 * 4, HostLink()
     outside = 0.0044 - 3 * 0.0013
-    aggregate, one_group = run.groups_projection(4.5e12)
+    projected = run.groups_projection(4.5e12)
+    assert projected is not None
+    aggregate, one_group = projected
     assert one_group == pytest.approx(4 / (decode_seconds(stages, hop, link, ids_bytes=16) + outside))
     assert aggregate == pytest.approx(12 / (grouped_decode_seconds(stages, 3, hop, link, ids_bytes=16) + outside))
     assert 2.5 < aggregate / one_group < 3.0  # three cards, each busy with one group's step most of a round
