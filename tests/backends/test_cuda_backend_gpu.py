@@ -152,7 +152,7 @@ def greedy_logits(backend: CudaBackend, prompt: list[int], steps: int) -> np.nda
 
 def bound_early(backend: CudaBackend) -> list[bool]:
     """Whether each launch of the one-row decode step's captured graph was bound to start early."""
-    graph = backend.stages[0].decode_steps[1, False].graph
+    graph = backend.stages[0].decode_steps[0, 1, False].graph
     assert graph is not None
     return [raw.early for raw in graph.launches]
 
