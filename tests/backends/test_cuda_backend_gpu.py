@@ -193,7 +193,7 @@ def test_warm_up_prepares_every_step_and_leaves_no_trace():
     stages = []
     warmed.warm_up(lambda stage, done, total: stages.append((done, total)), max_rows=4)
     steps = warmed.stages[0].decode_steps
-    assert set(steps) == {(rows, True) for rows in TOKEN_BUCKETS} | {(rows, False) for rows in (1, 2, 4)}
+    assert set(steps) == {(0, rows, True) for rows in TOKEN_BUCKETS} | {(0, rows, False) for rows in (1, 2, 4)}
     assert set(warmed.stages[0].prompt_steps) == set(range(warmed.max_sequences))
     assert stages[0][0] == 0 and stages[-1][0] == stages[-1][1]  # progress from start to end
     prompt = [(7 * i) % 5000 for i in range(PROMPT_ROWS + 21)]  # a long-prompt step, then a tail
