@@ -63,6 +63,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="ORIGIN",
         help="a browser origin allowed to call the API (CORS), e.g. http://localhost:3000; repeatable",
     )
+    parser.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch images that requests give by http(s) URL (default: only data: URIs are read); the server then "
+        "connects wherever its clients point it",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -80,6 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             prefix_cache_entries=args.cache_states,
             model_name=args.alias,
             allowed_origins=tuple(args.allow_origin),
+            allow_remote_images=args.allow_remote_images,
         )
     except ValueError as err:
         raise CmpchatError(str(err).replace("_", "-")) from None

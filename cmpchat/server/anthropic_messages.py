@@ -8,7 +8,9 @@ turns, read as that turn's reasoning; `redacted_thinking` is skipped), `system` 
 `description`, `input_schema`), `tool_choice` (`auto`; `any` and `tool` with a `name`, which offers only that tool,
 enforced by a grammar, `server/structured.py`; `none`), `thinking` (`enabled` or `disabled` turn the model's
 thinking on or off, `adaptive` leaves the template's default, off for a forced tool; `budget_tokens` is not enforced:
-`max_tokens` bounds thinking and answer together). Image and document blocks and server tools are refused (400).
+`max_tokens` bounds thinking and answer together). `image` blocks in user turns, with a `base64` source (or a
+`url` one, when the server fetches images: `server/images.py`), when the model reads images. Document blocks,
+images elsewhere and server tools are refused (400).
 
 Response: a `message` whose `content` holds a `thinking` block (with an empty `signature`: there is nothing to
 sign), a `text` block and a `tool_use` block per tool call; `stop_reason` `end_turn`, `max_tokens`, `tool_use` or
@@ -36,7 +38,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cmpchat.api import Model
-from cmpchat.chat.messages import Message, TextPart, Tool, ToolCall
+from cmpchat.chat.messages import ImagePart, Message, TextPart, Tool, ToolCall
 from cmpchat.engine.events import Finished
 from cmpchat.engine.request import EngineEvent
 from cmpchat.errors import CmpchatError
@@ -45,6 +47,7 @@ from cmpchat.server.blocks import BlockClosed, BlockEvent, BlockOpened, BlockSpl
 from cmpchat.server.errors import ApiError, anthropic_error_body
 from cmpchat.server.generation import serve
 from cmpchat.server.guard import read_json
+from cmpchat.server.images import ImageReader
 from cmpchat.server.prepare import PreparedRequest, conversation_request, generation_options
 from cmpchat.server.responses import Outcome, named_sse
 from cmpchat.server.runtime import Runtime
@@ -59,8 +62,20 @@ class TextBlock(Body):
     text: str
 
 
+class ImageSource(Body):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(Body):
+    type: Literal["image"]
+    source: ImageSource
+
+
 class MediaBlock(Body):
-    type: Literal["image", "document"]
+    type: Literal["document"]
 
 
 class ToolUseBlock(Body):
@@ -73,7 +88,7 @@ class ToolUseBlock(Body):
 class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] = ""
+    content: str | list[Annotated[TextBlock | ImageBlock | MediaBlock, Field(discriminator="type")]] = ""
     is_error: bool = False
 
 
@@ -88,7 +103,7 @@ class RedactedThinkingBlock(Body):
 
 
 ContentBlock = Annotated[
-    TextBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | MediaBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -147,21 +162,21 @@ def prepare_message(body: MessagesRequest, model: Model, settings: ServerSetting
         stop_param="stop_sequences",
     )
     tools = _tools(body)
-    generation = conversation_request(
-        model, _messages(body), options, tools=tools, enable_thinking=_enable_thinking(body)
-    )
+    messages = _messages(body, ImageReader(model, settings))
+    generation = conversation_request(model, messages, options, tools=tools, enable_thinking=_enable_thinking(body))
     if _forces_a_tool(body):
         generation = structured.constrained(generation, model, schema=None, where="tools", tools=tools)
     return PreparedRequest(generation, body.stream, include_usage=False)
 
 
-def count_prompt_tokens(body: CountTokensRequest, model: Model) -> int:
-    """The tokens of the prompt the request's conversation makes."""
+def count_prompt_tokens(body: CountTokensRequest, model: Model, settings: ServerSettings) -> int:
+    """The tokens of the prompt the request's conversation makes (each image's run of pad tokens included)."""
+    messages = _messages(body, ImageReader(model, settings))
     try:
-        prompt = model.render(_messages(body), tools=_tools(body), enable_thinking=_enable_thinking(body))
+        request = model.chat_request(messages, tools=_tools(body), enable_thinking=_enable_thinking(body))
     except CmpchatError as err:
         raise ApiError(400, f"messages: {err}", param="messages") from None
-    return len(model.tokenize(prompt.text, parse_special=True))
+    return len(request.prompt)
 
 
 def _enable_thinking(body: CountTokensRequest) -> bool | None:
@@ -195,7 +210,7 @@ def _tools(body: CountTokensRequest) -> list[Tool] | None:
     return tools
 
 
-def _messages(body: CountTokensRequest) -> list[Message]:
+def _messages(body: CountTokensRequest, images: ImageReader) -> list[Message]:
     system = [body.system if isinstance(body.system, str) else "".join(b.text for b in body.system or [])]
     messages: list[Message] = []
     for index, message in enumerate(body.messages):
@@ -209,7 +224,7 @@ def _messages(body: CountTokensRequest) -> list[Message]:
         elif message.role == "assistant":
             messages.append(_assistant(message.content, where))
         else:
-            messages += _user(message.content, where)
+            messages += _user(message.content, where, images)
     system = [text for text in system if text]
     if system:
         messages.insert(0, Message("system", "\n\n".join(system)))
@@ -234,15 +249,17 @@ def _assistant(content: str | list[ContentBlock], where: str) -> Message:
     return Message("assistant", "".join(texts), reasoning_content="".join(reasoning) or None, tool_calls=calls)
 
 
-def _user(content: str | list[ContentBlock], where: str) -> list[Message]:
-    """A user turn: its tool results, each a tool message, then its text, if any."""
+def _user(content: str | list[ContentBlock], where: str, images: ImageReader) -> list[Message]:
+    """A user turn: its tool results, each a tool message, then its text and images, if any."""
     if isinstance(content, str):
         return [Message("user", content)]
     results: list[Message] = []
-    parts: list[TextPart] = []
+    parts: list[TextPart | ImagePart] = []
     for index, block in enumerate(content):
         if isinstance(block, TextBlock):
             parts.append(TextPart(block.text))
+        elif isinstance(block, ImageBlock):
+            parts.append(_image(block.source, f"{where}.{index}", images))
         elif isinstance(block, ToolResultBlock):
             text = _text(block.content, f"{where}.{index}.content")
             results.append(Message("tool", text, tool_call_id=block.tool_use_id))
@@ -262,10 +279,24 @@ def _text(content: str | Sequence[Body], where: str) -> str:
     return "".join(texts)
 
 
+def _image(source: ImageSource, where: str, images: ImageReader) -> ImagePart:
+    if source.type == "base64":
+        if source.data is None:
+            raise ApiError(400, f"{where}.source.data: a base64 source needs its data", param=f"{where}.source")
+        return images.from_base64(source.data, where)
+    if source.url is None:
+        raise ApiError(400, f"{where}.source.url: a url source needs its url", param=f"{where}.source")
+    return images.from_url(source.url, where)
+
+
 def _refused(block: Body, where: str, place: str) -> ApiError:
     kind = getattr(block, "type", "?")
-    if kind in ("image", "document"):
-        return ApiError(400, f"{where}: this server reads text only ({kind} blocks are not supported)", param=where)
+    if kind == "document":
+        return ApiError(
+            400, f"{where}: this server reads text and images only (document blocks are not supported)", param=where
+        )
+    if kind == "image":
+        return ApiError(400, f"{where}: image blocks are read in user turns only", param=where)
     return ApiError(400, f"{where}: a {kind} block cannot stand {place}", param=where)
 
 
@@ -421,7 +452,8 @@ async def count_tokens(request: Request) -> Response:
     runtime = _runtime(request)
     model, _ = runtime.ready()
     body = parse_body(CountTokensRequest, await read_json(request, runtime.settings.max_request_bytes))
-    return JSONResponse({"input_tokens": await anyio.to_thread.run_sync(count_prompt_tokens, body, model)})
+    count = await anyio.to_thread.run_sync(count_prompt_tokens, body, model, runtime.settings)
+    return JSONResponse({"input_tokens": count})
 
 
 def messages_routes() -> list[Route]:

@@ -1,6 +1,7 @@
 """A reply's engine events as a sequence of blocks, the structure both the Responses and the Messages API stream:
 each run of reasoning or of answer text is one block, each tool call one. The APIs name them differently (output
-items; content blocks) and wrap them in their own events, from these."""
+items; content blocks) and wrap them in their own events, from these. A text block carries the log-probabilities
+of its tokens when the request asked for them (`LogprobRouter` says which tokens are whose)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Literal
 from cmpchat.chat.messages import ToolCall
 from cmpchat.engine.events import ContentDelta, ReasoningDelta, ToolCallEvent
 from cmpchat.engine.request import EngineEvent
+from cmpchat.sampling import TokenLogprobs
+from cmpchat.server.logprobs import LogprobRouter
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
 
@@ -28,6 +31,8 @@ class BlockText:
     index: int
     kind: BlockKind
     text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """The tokens whose text this is the first to carry."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,8 @@ class BlockClosed:
     text: str
     """All the block's text ("" for a tool call)."""
     call: ToolCall | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """All the block's tokens (none for a tool call)."""
 
 
 BlockEvent = BlockOpened | BlockText | BlockClosed
@@ -49,10 +56,13 @@ class BlockSplitter:
         self._count = 0
         self._open: BlockKind | None = None
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._router = LogprobRouter()
 
     def feed(self, events: Sequence[EngineEvent]) -> list[BlockEvent]:
         out: list[BlockEvent] = []
         for event in events:
+            taken = tuple(self._router.route(event))
             if isinstance(event, ToolCallEvent):
                 out += self._close()
                 index = self._next_index()
@@ -64,11 +74,12 @@ class BlockSplitter:
                     self._open = kind
                     out.append(BlockOpened(self._next_index(), kind))
                 self._text.append(event.text)
+                self._logprobs += taken
                 last = out[-1] if out else None
                 if isinstance(last, BlockText):
-                    out[-1] = BlockText(last.index, kind, last.text + event.text)
+                    out[-1] = BlockText(last.index, kind, last.text + event.text, last.logprobs + taken)
                 else:
-                    out.append(BlockText(self._count - 1, kind, event.text))
+                    out.append(BlockText(self._count - 1, kind, event.text, taken))
         return out
 
     def close(self) -> list[BlockEvent]:
@@ -82,6 +93,6 @@ class BlockSplitter:
     def _close(self) -> list[BlockEvent]:
         if self._open is None:
             return []
-        closed = BlockClosed(self._count - 1, self._open, "".join(self._text))
-        self._open, self._text = None, []
+        closed = BlockClosed(self._count - 1, self._open, "".join(self._text), logprobs=tuple(self._logprobs))
+        self._open, self._text, self._logprobs = None, [], []
         return [closed]

@@ -9,7 +9,7 @@
   answers `{"prompt": text}`: what the model would read, ending with the assistant's turn.
 - `GET /props` answers `default_generation_settings` (`n_ctx`: one sequence's context; `params`: what a request
   that sets nothing gets), `total_slots`, `model_alias`, `model_path`, `chat_template`, `modalities`,
-  `build_info` and `is_sleeping`.
+  `build_info` and `is_sleeping`; `modalities.vision` says whether requests may hold images.
 - `GET /slots` answers one object per slot: `id`, `id_task` (the request's id, -1 when free), `n_ctx`,
   `speculative`, `is_processing`, `params` and `next_token` (`has_next_token`, `has_new_line`, `n_remain`,
   `n_decoded`). With `?fail_on_no_slot=1` it is a 503 when every slot is busy.
@@ -85,7 +85,7 @@ async def apply_template(request: Request) -> Response:
     runtime = _runtime(request)
     model, _ = runtime.ready()
     body = parse_body(ChatCompletionRequest, await _body(request, runtime))
-    prompt = await anyio.to_thread.run_sync(render_chat, body, model)
+    prompt = await anyio.to_thread.run_sync(render_chat, body, model, runtime.settings)
     return JSONResponse({"prompt": prompt})
 
 
@@ -102,7 +102,7 @@ async def props(request: Request) -> Response:
             "model_alias": runtime.model_name,
             "model_path": str(model.path),
             "chat_template": model.chat_format.source,
-            "modalities": {"vision": False, "audio": False},
+            "modalities": {"vision": model.supports_images, "audio": False},
             "build_info": f"cmpchat {__version__}",
             "is_sleeping": False,
         }

@@ -1,7 +1,8 @@
 """OpenAI's Responses API: `POST /v1/responses` (and `/responses`), the API that OpenAI's Agents SDK and Codex use.
 
 Request: `input`, a string (one user message) or a list of items: messages (`role` user, assistant, system or
-developer; `content` a string or `input_text` / `output_text` parts), `function_call` items (an earlier call of the
+developer; `content` a string or `input_text` / `output_text` parts, and in user messages `input_image` parts by
+`image_url`, read as `server/images.py` says), `function_call` items (an earlier call of the
 assistant's), `function_call_output` items (a tool's result, by `call_id`) and `reasoning` items (earlier thinking,
 given to the next assistant turn); `instructions` (the system message, joined with the system and developer
 messages the input opens with); `tools` (`function` tools only) and `tool_choice` (`auto`, `none`, `required` or
@@ -9,24 +10,29 @@ messages the input opens with); `tools` (`function` tools only) and `tool_choice
 only that tool); `text.format` `text`, `json_object` or `json_schema` (`schema`; structured output, as chat's
 `response_format`, `server/structured.py`); `max_output_tokens`, `temperature`, `top_p`; `reasoning.effort`, mapped
 onto the model's thinking switch: `none` and `minimal` turn thinking off, `low` to `max` turn it on, none leaves the
-template's default (off for structured output). Refused (400): `previous_response_id` and `conversation` (nothing
-is stored: send the whole conversation), other `text.format` types, image, file and audio input, tool types other
-than `function`.
+template's default (off for structured output); `include: ["message.output_text.logprobs"]` and `top_logprobs`
+(0 to 20; set alone, it asks for them too) for log-probabilities, as chat's (OpenAI's other `include` values name
+outputs this server never makes: they add nothing). Refused (400): `previous_response_id` and `conversation`
+(nothing is stored: send the whole conversation), other `text.format` types, unknown `include` values, images by
+`file_id`, file and audio input, tool types other than `function`.
 
 Response: a `response` object whose `output` holds a `reasoning` item (its text as a `reasoning_text` part), a
-`message` item with one `output_text` part, and a `function_call` item per tool call; `status` `completed`, or
+`message` item with one `output_text` part (its `logprobs`, when asked for: chat's entries, of the answer's tokens
+alone), and a `function_call` item per tool call; `status` `completed`, or
 `incomplete` with `incomplete_details.reason` `max_output_tokens`; `usage` and llama-server's `timings`.
 
 Streamed (`stream: true`): typed server-sent events, each `event: <type>` and a JSON `data` with a `sequence_number`:
 `response.created`, `response.in_progress`; for each item `response.output_item.added`, then for reasoning
 `response.content_part.added`, `response.reasoning_text.delta`..., `response.reasoning_text.done`,
-`response.content_part.done`, for text the same with `response.output_text.delta` / `.done`, for a tool call
+`response.content_part.done`, for text the same with `response.output_text.delta` / `.done` (each with the
+`logprobs` of the tokens whose text it is the first to carry; `.done` with all of the part's), for a tool call
 `response.function_call_arguments.delta` and `.done`, then `response.output_item.done`; last `response.completed`
 (or `response.incomplete`), or `response.failed` when generation fails. No `[DONE]`: OpenAI sends none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -40,13 +46,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from cmpchat.api import Model
-from cmpchat.chat.messages import Message, Tool, ToolCall
+from cmpchat.chat.messages import ImagePart, Message, TextPart, Tool, ToolCall
 from cmpchat.engine.request import EngineEvent
 from cmpchat.server import structured
 from cmpchat.server.blocks import BlockClosed, BlockEvent, BlockOpened, BlockSplitter, BlockText
 from cmpchat.server.errors import ApiError
 from cmpchat.server.generation import serve
 from cmpchat.server.guard import read_json
+from cmpchat.server.images import ImageReader
+from cmpchat.server.logprobs import LogprobShapes
 from cmpchat.server.prepare import PreparedRequest, conversation_request, generation_options, tool_call
 from cmpchat.server.responses import Outcome, named_sse
 from cmpchat.server.runtime import Runtime
@@ -66,11 +74,18 @@ class RefusalContent(Body):
     refusal: str
 
 
+class ImageContent(Body):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
 class MediaContent(Body):
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_file", "input_audio"]
 
 
-MessageContent = Annotated[TextContent | RefusalContent | MediaContent, Field(discriminator="type")]
+MessageContent = Annotated[TextContent | RefusalContent | ImageContent | MediaContent, Field(discriminator="type")]
 
 
 class MessageItem(Body):
@@ -168,6 +183,29 @@ class ResponsesRequest(Body):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ()) or self.top_logprobs is not None
+
+
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = frozenset(
+    {
+        LOGPROBS,
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "message.input_image.image_url",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+        "reasoning.encrypted_content",
+    }
+)
+"""OpenAI's `include` values. Of the outputs they name this server makes only `output_text`'s logprobs: the others
+add nothing (Codex, for one, asks for `reasoning.encrypted_content`)."""
 
 
 def prepare_response(body: ResponsesRequest, model: Model, settings: ServerSettings) -> PreparedRequest:
@@ -184,15 +222,19 @@ def prepare_response(body: ResponsesRequest, model: Model, settings: ServerSetti
     thinking = _enable_thinking(body.reasoning)
     if (schema is not None or forced) and thinking is None:
         thinking = False  # a constrained reply answers at once unless the client asked it to think first
+    for index, value in enumerate(body.include or ()):
+        if value not in INCLUDABLE:
+            raise ApiError(400, f"include.{index}: {value!r} is not an includable output", param=f"include.{index}")
     options = generation_options(
         settings,
         body.max_output_tokens or settings.default_max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
     )
-    generation = conversation_request(
-        model, _messages(body), options, tools=tools, enable_thinking=thinking, where="input"
-    )
+    if body.wants_logprobs:
+        options = dataclasses.replace(options, logprobs=body.top_logprobs or 0)
+    messages = _messages(body, ImageReader(model, settings))
+    generation = conversation_request(model, messages, options, tools=tools, enable_thinking=thinking, where="input")
     if schema is not None or forced:
         where = "text.format.schema" if schema is not structured.ANY_OBJECT else "text.format"
         generation = structured.constrained(generation, model, schema=schema, where=where, tools=tools)
@@ -236,14 +278,16 @@ def _tools(body: ResponsesRequest) -> list[Tool] | None:
     return tools
 
 
-def _messages(body: ResponsesRequest) -> list[Message]:
+def _messages(body: ResponsesRequest, images: ImageReader) -> list[Message]:
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     system = [body.instructions] if body.instructions else []
     messages: list[Message] = []
     reasoning: list[str] = []
     for index, item in enumerate(items):
         where = f"input.{index}"
-        if isinstance(item, MessageItem):
+        if isinstance(item, MessageItem) and item.role == "user":
+            messages.append(Message("user", _user_content(item.content, f"{where}.content", images)))
+        elif isinstance(item, MessageItem):
             text = _text(item.content, f"{where}.content")
             if item.role in ("system", "developer") and not messages:
                 system.append(text)  # the template takes one system message, first
@@ -251,7 +295,7 @@ def _messages(body: ResponsesRequest) -> list[Message]:
                 turn = _assistant_turn(messages, reasoning)
                 turn.content = str(turn.content) + text
             else:
-                messages.append(Message("system" if item.role == "developer" else item.role, text))
+                messages.append(Message("system", text))
         elif isinstance(item, FunctionCallItem):
             call = tool_call(item.name, item.arguments, item.call_id, f"{where}.arguments")
             _assistant_turn(messages, reasoning).tool_calls.append(call)
@@ -275,30 +319,54 @@ def _assistant_turn(messages: list[Message], reasoning: list[str]) -> Message:
     return messages[-1]
 
 
+def _user_content(
+    content: str | list[MessageContent], where: str, images: ImageReader
+) -> str | list[TextPart | ImagePart]:
+    """A user message's text and images."""
+    if isinstance(content, str) or not any(isinstance(part, ImageContent) for part in content):
+        return _text(content, where)
+    parts: list[TextPart | ImagePart] = []
+    for index, part in enumerate(content):
+        if not isinstance(part, ImageContent):
+            parts.append(TextPart(_part_text(part, f"{where}.{index}")))
+        elif part.image_url is None:
+            raise ApiError(
+                400,
+                f"{where}.{index}: this server keeps no files; send the image as image_url",
+                param=f"{where}.{index}",
+            )
+        else:
+            parts.append(images.from_url(part.image_url, f"{where}.{index}"))
+    return parts
+
+
 def _text(content: str | list[MessageContent], where: str) -> str:
     if isinstance(content, str):
         return content
-    texts: list[str] = []
-    for index, part in enumerate(content):
-        if isinstance(part, MediaContent):
-            raise ApiError(
-                400,
-                f"{where}.{index}: this server reads text only ({part.type} is not supported)",
-                param=where,
-                code="image_input_not_supported" if part.type == "input_image" else None,
-            )
-        texts.append(part.text if isinstance(part, TextContent) else part.refusal)
-    return "".join(texts)
+    return "".join(_part_text(part, f"{where}.{index}") for index, part in enumerate(content))
+
+
+def _part_text(part: MessageContent, where: str) -> str:
+    if isinstance(part, ImageContent):
+        raise ApiError(400, f"{where}: images are read in user messages only", param=where)
+    if isinstance(part, MediaContent):
+        raise ApiError(
+            400, f"{where}: this server reads text and images only ({part.type} is not supported)", param=where
+        )
+    return part.text if isinstance(part, TextContent) else part.refusal
 
 
 class ResponseShape:
     """What the response object says besides its output, the same in every event of a stream."""
 
-    def __init__(self, body: ResponsesRequest, model_name: str, count_tokens: Callable[[str], int]) -> None:
+    def __init__(
+        self, body: ResponsesRequest, model_name: str, count_tokens: Callable[[str], int], shapes: LogprobShapes
+    ) -> None:
         self.id = "resp_" + secrets.token_hex(12)
         self.created_at = int(time.time())
         self.model = model_name
         self.count_tokens = count_tokens
+        self.shapes = shapes
         self._request = body
 
     def response(self, status: str, output: list[dict[str, Any]], outcome: Outcome | None = None) -> dict[str, Any]:
@@ -319,6 +387,7 @@ class ResponseShape:
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "temperature": body.temperature,
             "top_p": body.top_p,
+            "top_logprobs": body.top_logprobs,
             "tool_choice": _dump(body.tool_choice) if body.tool_choice is not None else "auto",
             "tools": [tool.model_dump() for tool in body.tools or []],
             "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
@@ -358,7 +427,8 @@ def response_body(shape: ResponseShape, outcome: Outcome) -> dict[str, Any]:
     if finished.reasoning:
         output.append(_reasoning_item(_item_id("rs_"), finished.reasoning, "completed"))
     if finished.content or not finished.tool_calls:
-        output.append(_message_item(_item_id("msg_"), finished.content, "completed"))
+        logprobs = shape.shapes.entries(outcome.content_logprobs)
+        output.append(_message_item(_item_id("msg_"), finished.content, "completed", logprobs))
     output += [_function_call_item(_item_id("fc_"), event.call, "completed") for event in finished.tool_calls]
     return shape.final(output, outcome)
 
@@ -372,12 +442,12 @@ def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, An
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_output_text(text)]
+def _message_item(item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    content = [] if text is None else [_output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
@@ -438,7 +508,7 @@ class ResponseEventWriter:
             if block.kind == "reasoning":
                 item, part = _reasoning_item(self._item_id, None, "in_progress"), {"type": "reasoning_text", "text": ""}
             else:
-                item, part = _message_item(self._item_id, None, "in_progress"), _output_text("")
+                item, part = _message_item(self._item_id, None, "in_progress", []), _output_text("", [])
             return [
                 self._send("response.output_item.added", output_index=index, item=item),
                 self._send("response.content_part.added", **self._at(index), part=part),
@@ -446,7 +516,8 @@ class ResponseEventWriter:
         if isinstance(block, BlockText):
             if block.kind == "reasoning":
                 return [self._send("response.reasoning_text.delta", **self._at(index), delta=block.text)]
-            return [self._send("response.output_text.delta", **self._at(index), delta=block.text, logprobs=[])]
+            logprobs = self.shape.shapes.entries(block.logprobs)
+            return [self._send("response.output_text.delta", **self._at(index), delta=block.text, logprobs=logprobs)]
         return self._closed(block)
 
     def _closed(self, block: BlockClosed) -> list[str]:
@@ -470,9 +541,10 @@ class ResponseEventWriter:
                 self._send("response.content_part.done", **self._at(index), part=item["content"][0]),
             ]
         else:
-            item = _message_item(item_id, block.text, "completed")
+            logprobs = self.shape.shapes.entries(block.logprobs)
+            item = _message_item(item_id, block.text, "completed", logprobs)
             out = [
-                self._send("response.output_text.done", **self._at(index), text=block.text, logprobs=[]),
+                self._send("response.output_text.done", **self._at(index), text=block.text, logprobs=logprobs),
                 self._send("response.content_part.done", **self._at(index), part=item["content"][0]),
             ]
         self._output.append(item)
@@ -509,7 +581,9 @@ async def responses(request: Request) -> Response:
     body = parse_body(ResponsesRequest, await read_json(request, runtime.settings.max_request_bytes))
     # Rendering and tokenizing a long conversation takes a while: keep it off the event loop.
     prepared = await anyio.to_thread.run_sync(prepare_response, body, model, runtime.settings)
-    shape = ResponseShape(body, runtime.model_name, lambda text: len(model.tokenize(text)) if text else 0)
+    shape = ResponseShape(
+        body, runtime.model_name, lambda text: len(model.tokenize(text)) if text else 0, LogprobShapes(model.tokenizer)
+    )
     return await serve(
         request,
         runtime,

@@ -21,6 +21,7 @@ from cmpchat.errors import CmpchatError
 from cmpchat.sampling import SamplingParams
 from cmpchat.server import structured
 from cmpchat.server.errors import ApiError
+from cmpchat.server.images import ImageReader
 from cmpchat.server.schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -51,7 +52,8 @@ def prepare_chat(body: ChatCompletionRequest, model: Model, settings: ServerSett
     _refuse_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    images = ImageReader(model, settings)
+    messages = [_message(m, i, images) for i, m in enumerate(body.messages)]
     limit = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
     tools = _tools(body)
     schema = _response_schema(body)
@@ -106,9 +108,10 @@ def conversation_request(
     return generation
 
 
-def render_chat(body: ChatCompletionRequest, model: Model) -> str:
+def render_chat(body: ChatCompletionRequest, model: Model, settings: ServerSettings) -> str:
     """The prompt text a chat request's conversation makes, as the model reads it (for /apply-template)."""
-    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    images = ImageReader(model, settings)
+    messages = [_message(m, i, images) for i, m in enumerate(body.messages)]
     try:
         prompt = model.render(messages, tools=_tools(body), enable_thinking=_enable_thinking(body.chat_template_kwargs))
     except CmpchatError as err:
@@ -200,7 +203,7 @@ def _pick(value: _T | None, default: _T) -> _T:
     return default if value is None else value
 
 
-def _message(message: ChatMessage, index: int) -> Message:
+def _message(message: ChatMessage, index: int, images: ImageReader) -> Message:
     where = f"messages.{index}"
     role = "system" if message.role == "developer" else message.role
     if message.tool_calls and role != "assistant":
@@ -211,7 +214,7 @@ def _message(message: ChatMessage, index: int) -> Message:
     ]
     return Message(
         role,
-        _content(message, where),
+        _content(message, where, images),
         reasoning_content=message.reasoning_content,
         tool_calls=calls,
         tool_call_id=message.tool_call_id,
@@ -219,23 +222,17 @@ def _message(message: ChatMessage, index: int) -> Message:
     )
 
 
-def _content(message: ChatMessage, where: str) -> str | list[TextPart | ChatImagePart]:
+def _content(message: ChatMessage, where: str, images: ImageReader) -> str | list[TextPart | ChatImagePart]:
     if message.content is None:
         return ""
     if isinstance(message.content, str):
         return message.content
-    parts: list[TextPart | ChatImagePart] = []
-    for j, part in enumerate(message.content):
-        if isinstance(part, ImagePart):
-            raise ApiError(
-                400,
-                f"{where}.content.{j}: this server cannot read images: no vision projector is loaded "
-                "(image input is not supported yet)",
-                param=f"{where}.content",
-                code="image_input_not_supported",
-            )
-        parts.append(TextPart(part.text))
-    return parts
+    return [
+        images.from_url(part.image_url.url, f"{where}.content.{j}")
+        if isinstance(part, ImagePart)
+        else TextPart(part.text)
+        for j, part in enumerate(message.content)
+    ]
 
 
 def tool_call(name: str, arguments: str | dict[str, Any], call_id: str, where: str) -> ToolCall:

@@ -18,7 +18,7 @@ from cmpchat.engine.events import ContentDelta, Finished, ReasoningDelta, ToolCa
 from cmpchat.engine.request import EngineEvent, Failed, Started
 from cmpchat.sampling import TokenLogprobs
 from cmpchat.server.errors import error_body
-from cmpchat.server.logprobs import LogprobShapes
+from cmpchat.server.logprobs import LogprobRouter, LogprobShapes
 
 Kind = Literal["chat", "text"]
 _PREFIX: dict[Kind, str] = {"chat": "chatcmpl-", "text": "cmpl-"}
@@ -36,6 +36,10 @@ class Outcome:
     failure: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     """Every generated token's log-probabilities, when the request asked for them (else None)."""
+    content_logprobs: list[TokenLogprobs] = field(default_factory=list, init=False)
+    """Of those, the tokens whose text went to the answer (content deltas, as `LogprobRouter` routes them): not
+    the reasoning's, the tool calls', or those no text followed."""
+    _router: LogprobRouter = field(default_factory=LogprobRouter, init=False, repr=False)
 
     @property
     def done(self) -> bool:
@@ -48,8 +52,13 @@ class Outcome:
             self.finished = event
         elif isinstance(event, Failed):
             self.failure = event.message
-        elif isinstance(event, TokenLogprobs) and self.logprobs is not None:
+        if self.logprobs is None:
+            return
+        if isinstance(event, TokenLogprobs):
             self.logprobs.append(event)
+        taken = self._router.route(event)
+        if isinstance(event, ContentDelta):
+            self.content_logprobs += taken
 
     def error(self) -> tuple[int, str] | None:
         """(status, message) when the request did not finish normally."""
@@ -169,7 +178,7 @@ class ChunkWriter:
         self.shapes = shapes
         self.include_usage = include_usage
         self._tool_calls = 0
-        self._unsent: list[TokenLogprobs] = []
+        self._router = LogprobRouter()
         """Log-probabilities of tokens whose text has not gone out yet (held back by the parser or stop rules)."""
         self._text_offset = 0
 
@@ -193,14 +202,12 @@ class ChunkWriter:
         whose text it is the first to carry."""
         deltas: list[tuple[dict[str, Any], list[TokenLogprobs]]] = []
         for event in events:
-            if isinstance(event, TokenLogprobs):
-                if self.outcome.logprobs is not None:
-                    self._unsent.append(event)
-                continue
+            if isinstance(event, ToolCallEvent) and self.header.kind != "chat":
+                continue  # raw text has none
+            taken = self._router.route(event)
             if isinstance(event, ToolCallEvent):
-                if self.header.kind == "chat":
-                    deltas.append(({"tool_calls": [tool_call_object(event.call, self._tool_calls)]}, self._take()))
-                    self._tool_calls += 1
+                deltas.append(({"tool_calls": [tool_call_object(event.call, self._tool_calls)]}, taken))
+                self._tool_calls += 1
                 continue
             if not isinstance(event, ReasoningDelta | ContentDelta):
                 continue
@@ -209,14 +216,10 @@ class ChunkWriter:
                 key = "text"
             if deltas and set(deltas[-1][0]) == {key}:
                 deltas[-1][0][key] += event.text
-                deltas[-1][1].extend(self._take())
+                deltas[-1][1].extend(taken)
             else:
-                deltas.append(({key: event.text}, self._take()))
+                deltas.append(({key: event.text}, taken))
         return deltas
-
-    def _take(self) -> list[TokenLogprobs]:
-        taken, self._unsent = self._unsent, []
-        return taken
 
     def _chunk(
         self,
@@ -253,7 +256,7 @@ class ChunkWriter:
             return [sse(error_body(*error)), sse("[DONE]")]
         assert self.outcome.finished is not None
         finish = finish_reason(self.outcome.finished)
-        out = [self._chunk({}, finish, logprobs=self._take(), timings=self.outcome.timings())]
+        out = [self._chunk({}, finish, logprobs=self._router.take(), timings=self.outcome.timings())]
         if self.include_usage:
             out.append(sse({**self.header.fields(chunk=True), "choices": [], "usage": self.outcome.usage()}))
         out.append(sse("[DONE]"))

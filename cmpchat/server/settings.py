@@ -33,6 +33,9 @@ class ServerSettings:
     """The model id clients see; by default the model file's name without `.gguf`."""
     allowed_origins: tuple[str, ...] = ()
     """Browser origins allowed to call the API (CORS); none by default."""
+    allow_remote_images: bool = False
+    """Fetch images given by http(s) URL (else only data URIs are read): the server then makes requests to
+    whatever addresses its clients name."""
     shutdown_grace_seconds: float = 3.0
     """After SIGTERM or Ctrl+C, how long requests in flight may run on before they are ended (a 503, or a
     stream's error event and [DONE])."""

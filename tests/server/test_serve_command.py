@@ -11,6 +11,7 @@ import pytest
 from cmpchat.commands import serve
 from cmpchat.errors import CmpchatError
 from cmpchat.server.runner import bind, is_loopback
+from tests.vision.vision_fixtures import MMPROJ_F32, ORACLE
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -35,6 +36,9 @@ def test_options_reach_the_settings(tmp_path: Path) -> None:
     settings = serve.settings_from_args(args)
     assert (settings.slots, settings.max_queue, settings.api_key, settings.model_name) == (8, 3, "s3cret", "qwen")
     assert settings.prefix_cache_entries == 0
+    assert not settings.allow_remote_images
+    assert serve.settings_from_args(parse("--allow-remote-images")).allow_remote_images
+    assert parse("--mmproj", "mmproj.gguf").mmproj == "mmproj.gguf"
 
 
 @pytest.mark.parametrize(
@@ -62,3 +66,11 @@ def test_a_model_that_cannot_load_ends_the_command(tmp_path: Path) -> None:
     missing = tmp_path / "missing.gguf"
     with pytest.raises(CmpchatError, match="the model failed to load"):
         serve.run(parse("-m", str(missing), "--port", "0"))
+
+
+def test_a_projector_of_another_width_ends_the_command_in_one_line() -> None:
+    model = ORACLE / "tiny_untied.f32.gguf"
+    args = parse("-m", str(model), "--backend", "cpu", "--mmproj", str(MMPROJ_F32), "--port", "0")
+    with pytest.raises(CmpchatError, match="projects images to width 32, but the model's hidden size is 64") as caught:
+        serve.run(args)
+    assert str(caught.value).startswith("the model failed to load: ") and "\n" not in str(caught.value)

@@ -4,11 +4,13 @@ streamed and not, with values equal to the log-softmax of the reference backend'
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openai
 import pytest
 from openai.types import Completion
+from openai.types.responses import Response, ResponseOutputText
 
 from cmpchat.api import Model, open_model
 from cmpchat.chat.messages import Message
@@ -142,3 +144,74 @@ def test_completion_logprobs(client: openai.OpenAI, reference: Model, stream: bo
         assert 0 < len(tops[i]) <= TOP and abs(max(tops[i].values()) - logsoftmax.max()) < 1e-4
         if i:
             assert offsets[i] == offsets[i - 1] + len(tokens[i - 1])
+
+
+LOGPROBS_INCLUDE = ["message.output_text.logprobs"]
+
+
+def respond(client: openai.OpenAI, **fields: Any) -> Any:
+    """A response to "Say something." with thinking off, greedy."""
+    return client.responses.create(
+        model="tiny",
+        input="Say something.",
+        max_output_tokens=STEPS,
+        temperature=0,
+        reasoning={"effort": "none"},
+        **fields,
+    )
+
+
+def check_response_entries(entries, model: Model) -> None:
+    """The Responses API's `output_text` logprobs: chat's entries, for the reply that thinking off makes."""
+    prompt = list(model.chat_request([Message("user", "Say something.")], enable_thinking=False).prompt)
+    expected = greedy_logprobs(model, prompt, len(entries))
+    assert 0 < len(entries) <= STEPS
+    for entry, (token, logsoftmax) in zip(entries, expected, strict=True):
+        assert entry.token == text(model, token) and entry.bytes == list(model.tokenizer.token_bytes(token))
+        assert abs(entry.logprob - logsoftmax[token]) < 1e-4
+        best = np.argsort(-logsoftmax, kind="stable")[:TOP]
+        assert [alt.token for alt in entry.top_logprobs] == [text(model, int(i)) for i in best]
+        np.testing.assert_allclose([alt.logprob for alt in entry.top_logprobs], logsoftmax[best], atol=1e-4)
+
+
+def output_text_part(response: Response) -> ResponseOutputText:
+    (message,) = response.output
+    assert message.type == "message"
+    (part,) = message.content
+    assert part.type == "output_text" and part.logprobs is not None
+    return part
+
+
+def test_response_logprobs_are_the_log_softmax_of_the_raw_logits(client: openai.OpenAI, reference: Model) -> None:
+    response = respond(client, include=LOGPROBS_INCLUDE, top_logprobs=TOP)
+    assert response.top_logprobs == TOP
+    part = output_text_part(response)
+    assert part.logprobs is not None
+    check_response_entries(part.logprobs, reference)
+    assert b"".join(bytes(entry.bytes) for entry in part.logprobs).decode("utf-8", errors="replace") == part.text
+
+
+def test_streamed_response_logprobs_come_with_the_deltas(client: openai.OpenAI, reference: Model) -> None:
+    events = list(respond(client, include=LOGPROBS_INCLUDE, top_logprobs=TOP, stream=True))
+    deltas = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    (done,) = [event for event in events if event.type == "response.output_text.done"]
+    assert [entry.token for entry in done.logprobs] == [entry.token for entry in deltas]
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    part = output_text_part(last.response)
+    assert part.logprobs is not None
+    assert [(e.token, e.logprob) for e in part.logprobs] == [(e.token, e.logprob) for e in deltas]
+    check_response_entries(part.logprobs, reference)
+    assert respond(client).output_text == part.text
+
+
+def test_response_logprobs_only_when_asked(client: openai.OpenAI) -> None:
+    plain = respond(client)
+    assert output_text_part(plain).logprobs == [] and plain.top_logprobs is None
+    # The chosen tokens alone (top_logprobs 0); top_logprobs without `include` asks for them too.
+    entries = output_text_part(respond(client, include=LOGPROBS_INCLUDE)).logprobs
+    assert entries and all(entry.top_logprobs == [] for entry in entries)
+    top = output_text_part(respond(client, top_logprobs=1)).logprobs
+    assert top is not None and [len(entry.top_logprobs) for entry in top] == [1] * len(entries)
+    # OpenAI's other include values name outputs this server never makes: nothing is added for them.
+    assert output_text_part(respond(client, include=["reasoning.encrypted_content"])).logprobs == []

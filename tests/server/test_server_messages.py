@@ -247,7 +247,16 @@ def assert_anthropic_error(response: httpx.Response, status: int, kind: str, fra
         ({"max_tokens": None}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "text only"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "source.type"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "aGk="}}]}
+                ]
+            },
+            "no vision projector",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "text and images only"),
         (
             {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
             "user turn",
