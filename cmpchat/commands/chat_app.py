@@ -43,6 +43,11 @@ def add_app_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_load_arguments(parser)
     parser.add_argument(
+        "--mmproj",
+        metavar="FILE",
+        help="with -m: the model's vision projector, to send images (default: the mmproj file beside the model)",
+    )
+    parser.add_argument(
         "--simulated-gpus",
         type=int,
         metavar="N",
@@ -68,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
     if options and args.url:
         raise CmpchatError("--gpus, --gpu-mem, --split, --ctx, --kv-tokens and --kv lay a model out on this machine; "
                            "with --url the server has its own (give them to `cmpchat serve`)")  # fmt: skip
+    projector = Path(args.mmproj).expanduser() if args.mmproj else None
+    if projector is not None and not args.model:
+        raise CmpchatError("--mmproj goes with -m (the model file whose vision projector it is)")
+    if projector is not None and not projector.is_file():
+        raise CmpchatError(f"{projector}: no such file; give the path of the model's mmproj .gguf file")
     request: ModelRequest | None = None
     if args.url:
         request = ModelRequest(server=RemoteServer(args.url.rstrip("/"), args.api_key, args.model_name))
@@ -75,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.model).expanduser()
         if not path.is_file():
             raise CmpchatError(f"{path}: no such file; give the path of a .gguf model file")
-        request = ModelRequest(path)
+        request = ModelRequest(path, projector)
     elif args.demo:
         request = ModelRequest(None)
     sampler: GpuSampler | None = FakeGpuSampler(args.simulated_gpus) if args.simulated_gpus else None

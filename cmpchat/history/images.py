@@ -67,6 +67,24 @@ class ImageStore:
         except (OSError, UnidentifiedImageError):
             return None
 
+    def problem(self, image_id: str, *, read: bool = True) -> str | None:
+        """Why the stored image with this id cannot be sent to a model now, in a few words naming its file;
+        None when it can. `read`: open and check the file's contents, not only that it is there."""
+        try:
+            path = self.path(image_id)
+        except CmpchatError as err:
+            return str(err)
+        if not path.is_file():
+            return f"its file is gone ({path})"
+        if not read:
+            return None
+        try:
+            with Image.open(path) as image:
+                image.verify()
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
+            return f"its file is not an image cmpchat can read ({path})"
+        return None
+
 
 def _inspect(data: bytes, source: Path) -> tuple[int, int, str]:
     try:

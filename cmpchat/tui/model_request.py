@@ -55,10 +55,14 @@ def open_requested(
     options: dict[str, Any] | None = None,
 ) -> ChatModel:
     """Open the requested model with `open_model`'s layout `options` (`--gpus`, `--ctx`...: the app's command
-    line, for every model it opens); the projector is not used yet (the app attaches no images to the engine)."""
+    line, for every model it opens) and the request's projector (picked beside it, or `--mmproj`); without
+    one, `open_model` pairs the mmproj file beside the model, if there is one."""
     if request.server is not None:
         return connect(request.server, progress)
-    return (opener or open_model)(request.path, backend=backend, progress=progress, **(options or {}))  # type: ignore[arg-type]
+    options = dict(options or {})
+    if request.projector is not None:
+        options["mmproj"] = request.projector
+    return (opener or open_model)(request.path, backend=backend, progress=progress, **options)  # type: ignore[arg-type]
 
 
 def context_limit(model: ChatModel) -> int:
@@ -69,6 +73,22 @@ def context_limit(model: ChatModel) -> int:
 
 
 def model_sees_images(model: object) -> bool:
-    """Whether the model can look at images. The engine has no vision projector support yet; when it
-    has, `Model.supports_images` will say so, and this is the one place that asks."""
+    """Whether the model can look at images (`Model.supports_images`: a projector is loaded and the backend
+    reads image rows; a server's model: the server said it reads them). The one place that asks."""
     return bool(getattr(model, "supports_images", False))
+
+
+def why_no_images(model: object) -> str | None:
+    """Why `model` cannot look at images, as one line that names the fix; None when it can (or while no
+    model is loaded: whether it will is not known yet)."""
+    if model is None or model_sees_images(model):
+        return None
+    if isinstance(model, RemoteModel):
+        return f"the server at {model.server.address} does not say it reads images, so the app sends it none"
+    name = getattr(getattr(model, "path", None), "name", None) or "this model"
+    if getattr(model, "is_demo", False):
+        return "the demo model has no vision projector"
+    if getattr(model, "projector_path", None) is None:
+        return f"{name} has no vision projector (put its mmproj file beside it, or give --mmproj FILE)"
+    backend = getattr(getattr(model, "backend", None), "name", "this")
+    return f"the {backend} backend cannot read images yet (--backend cpu can)"

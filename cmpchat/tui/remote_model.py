@@ -4,22 +4,28 @@ makes of a local `Model`: `chat` streams the same engine events, so the screens 
 Speed figures come from the server where it gives them (llama-server's `timings`, which `cmpchat serve`
 sends too, then `usage` from `stream_options.include_usage`), else from the client's own clock. Every
 failure is one `CmpchatError` line; a stream cut after text came is a `ReplyCut`, so the text is kept.
+
+Images go as data URIs (`image_url` parts), and only to a server that says it reads them: llama-server's
+`GET /props` `modalities.vision`, which `cmpchat serve` answers too. To any other server the app sends none.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import mimetypes
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from cmpchat.chat.messages import Message, Tool, ToolCall
+from cmpchat.chat.messages import ImagePart, Message, Tool, ToolCall
 from cmpchat.chat.tags import THINK_CLOSE, THINK_OPEN
 from cmpchat.chat.template import RenderedPrompt
 from cmpchat.engine.events import (
@@ -70,7 +76,7 @@ class RemoteServer:
 @dataclass(slots=True)
 class RemoteModel:
     """One model on a server. `is_demo` and `supports_images` answer what the app asks of every model:
-    images are not sent (the app stores them by path, which a remote server cannot read)."""
+    images are sent, as data URIs, only when the server said it reads them (`reads_images`)."""
 
     server: RemoteServer
     name: str
@@ -96,7 +102,8 @@ class RemoteModel:
         self, messages: Sequence[Message], *, tools: Sequence[Tool] | None = None, enable_thinking: bool | None = None
     ) -> RenderedPrompt:
         """The prompt text, from llama-server's /apply-template (cmpchat serve has it; others may not)."""
-        body: dict[str, Any] = {"messages": [openai_message(m) for m in messages]}
+        # Images are left out: uploading every picture to count the text's tokens is not worth it.
+        body: dict[str, Any] = {"messages": [openai_message(m, with_images=False) for m in messages]}
         if enable_thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
         prompt = self._post_json(self.server.root + "/apply-template", body)["prompt"]
@@ -370,7 +377,18 @@ def connect(server: RemoteServer, progress: Callable[[str, int, int], None] | No
         raise CmpchatError(f"{server.address} does not serve {server.model_name!r} (it serves: {names})")
     meta = entry.get("meta") or {}
     context = meta.get("context_length") or meta.get("n_ctx") or 0
-    return RemoteModel(server, str(entry["id"]), int(context), client)
+    return RemoteModel(server, str(entry["id"]), int(context), client, supports_images=reads_images(server, client))
+
+
+def reads_images(server: RemoteServer, client: httpx.Client) -> bool:
+    """Whether the server says it reads images: `modalities.vision` of llama-server's `GET /props` (cmpchat
+    serve's too). A server without it (vLLM, OpenAI, a proxy) is taken to read none."""
+    try:
+        response = client.get(server.root + "/props", headers=server.headers(), timeout=CONNECT_SECONDS)
+        modalities = response.json().get("modalities") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+    return isinstance(modalities, dict) and modalities.get("vision") is True
 
 
 def chat_body(
@@ -398,8 +416,19 @@ def chat_body(
     return body
 
 
-def openai_message(message: Message) -> dict[str, Any]:
-    body: dict[str, Any] = {"role": message.role, "content": message.text}
+def openai_message(message: Message, *, with_images: bool = True) -> dict[str, Any]:
+    """The message in OpenAI's form; one with images (and `with_images`) has content parts, each image a
+    data URI of its file's bytes."""
+    content: str | list[dict[str, Any]] = message.text
+    if with_images and message.images and not isinstance(message.content, str):
+        content = [
+            {"type": "image_url", "image_url": {"url": data_uri(part)}}
+            if isinstance(part, ImagePart)
+            else {"type": "text", "text": part.text}
+            for part in message.content
+            if isinstance(part, ImagePart) or part.text
+        ]
+    body: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         body["tool_calls"] = [
             {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
@@ -408,6 +437,20 @@ def openai_message(message: Message) -> dict[str, Any]:
     if message.tool_call_id is not None:
         body["tool_call_id"] = message.tool_call_id
     return body
+
+
+def data_uri(image: ImagePart) -> str:
+    """`data:<type>;base64,...` of the image's bytes (`data`, else the file `ref` names)."""
+    data = image.data
+    if data is None:
+        try:
+            data = Path(image.ref).read_bytes()
+        except OSError as err:
+            raise CmpchatError(f"{Path(image.ref).name} could not be read: {err.strerror or err}") from None
+    kind = mimetypes.guess_type(image.ref)[0] or ""
+    if not kind.startswith("image/"):
+        kind = "image/png"
+    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def unreachable(server: RemoteServer, err: httpx.HTTPError) -> str:

@@ -6,6 +6,7 @@ history store at once, so what is on screen is what a restart shows.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from cmpchat.chat.messages import ImagePart, Message, TextPart, ToolCall
@@ -51,6 +52,22 @@ class ReplyStats:
             time_to_first_token=t.time_to_first_token,
             reasoning_seconds=reasoning_seconds,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ImageProblem:
+    """An image of the chat that cannot be sent: the `number`th (from 1) of its message's images; `current`
+    when that message is the last one the person sent (the one being answered)."""
+
+    image_id: str
+    number: int
+    current: bool
+    reason: str
+
+    def line(self) -> str:
+        """One line for the person: which image, and what is wrong with it."""
+        where = "your message" if self.current else "an earlier message"
+        return f"Image {self.number} of {where} cannot be sent: {self.reason}."
 
 
 class ChatSession:
@@ -152,19 +169,36 @@ class ChatSession:
         del self.messages[index:]
         return removed
 
-    def conversation(self, *, with_images: bool) -> list[Message]:
-        """The chat as the model reads it: the system prompt, then every turn that has text.
+    def image_problems(self) -> list[ImageProblem]:
+        """The chat's images that cannot be sent now: those of the last user message are read (as the model
+        would), those of earlier ones only looked for (they were read when first sent)."""
+        last_user = next((r for r in reversed(self.messages) if r.role == "user"), None)
+        problems: list[ImageProblem] = []
+        for record in self.messages:
+            if record.role != "user":
+                continue
+            current = record is last_user
+            for number, image_id in enumerate(record.images, 1):
+                reason = self.images.problem(image_id, read=current)
+                if reason is not None:
+                    problems.append(ImageProblem(image_id, number, current, reason))
+        return problems
+
+    def conversation(self, *, with_images: bool, leave_out: Collection[str] = ()) -> list[Message]:
+        """The chat as the model reads it: the system prompt, then every turn that has text, each user
+        turn with its images first, in the order they were attached.
 
         Images are left out unless the model can see them (`with_images`): a prompt must never claim
-        an image the model cannot look at.
+        an image the model cannot look at. `leave_out`: ids of images not to send (their files are gone).
         """
         messages: list[Message] = []
         if self.options.system_prompt.strip():
             messages.append(Message("system", self.options.system_prompt))
         for record in self.messages:
             if record.role == "user":
-                if with_images and record.images:
-                    parts: list[TextPart | ImagePart] = [ImagePart(str(self.images.path(i))) for i in record.images]
+                images = [i for i in record.images if i not in leave_out] if with_images else []
+                if images:
+                    parts: list[TextPart | ImagePart] = [ImagePart(str(self.images.path(i))) for i in images]
                     messages.append(Message("user", [*parts, TextPart(record.content)]))
                 else:
                     messages.append(Message("user", record.content))

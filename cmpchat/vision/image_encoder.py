@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -30,22 +31,26 @@ class ImageEncoder:
         self.encoded = 0
         """Images run through the encoder so far (cache misses)."""
         self._cache: OrderedDict[bytes, EncodedImage] = OrderedDict()
+        self._lock = threading.Lock()
+        """The server encodes a request's images on its own thread: the cache is shared by all of them."""
 
     def encode(self, source: bytes | str | Path) -> EncodedImage:
         """An image file or its bytes as prompt rows; a missing, corrupt or oversized image is one clear line."""
         data = source if isinstance(source, bytes) else _read(Path(source))
         digest = hashlib.sha256(data + f"|{self.budget.min_pixels}|{self.budget.max_pixels}".encode()).digest()
-        found = self._cache.get(digest)
-        if found is not None:
-            self._cache.move_to_end(digest)
-            return found
+        with self._lock:
+            found = self._cache.get(digest)
+            if found is not None:
+                self._cache.move_to_end(digest)
+                return found
         image = open_image(data if isinstance(source, bytes) else Path(source))
         prepared = prepare_image(image, self.projector.config.patch_settings, self.budget)
         encoded = EncodedImage(digest, prepared.grid, encode_image(self.projector, prepared))
-        self.encoded += 1
-        self._cache[digest] = encoded
-        while sum(item.rows.nbytes for item in self._cache.values()) > self.cache_bytes and len(self._cache) > 1:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.encoded += 1
+            self._cache[digest] = encoded
+            while sum(item.rows.nbytes for item in self._cache.values()) > self.cache_bytes and len(self._cache) > 1:
+                self._cache.popitem(last=False)
         return encoded
 
 

@@ -114,7 +114,9 @@ def open_image(source: bytes | str | Path) -> Image.Image:
                 f"{name} is {image.width}x{image.height} pixels, more than the {MAX_DECODED_PIXELS} cmpchat decodes"
             )
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
+    except UnidentifiedImageError as err:  # its message names Python's file object, not the image
+        raise CmpchatError(f"{name} could not be read as an image (not a format Pillow knows)") from err
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise CmpchatError(f"{name} could not be read as an image ({err})") from err
     return to_rgb(image)
 

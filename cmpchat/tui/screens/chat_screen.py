@@ -23,7 +23,7 @@ from textual.widgets import Footer
 from cmpchat.chat.messages import Message
 from cmpchat.engine.reply import GenerationOptions
 from cmpchat.errors import CmpchatError
-from cmpchat.tui.model_request import ChatModel, context_limit, model_sees_images
+from cmpchat.tui.model_request import ChatModel, context_limit, model_sees_images, why_no_images
 from cmpchat.tui.reply_run import ReplyRun, UpdatePacer
 from cmpchat.tui.reply_stream import ReplyUpdate, run_generation
 from cmpchat.tui.screens import copy_flows, dialog_flows, slash_flows
@@ -247,17 +247,16 @@ class ChatScreen(Screen[None]):
             self.notify("The model is still loading: send images once it is ready.", severity="warning")
             prompt.restore(event.text)
             return
-        if model is not None and self.attachments and not model_sees_images(model):
+        refusal = why_no_images(model) if self.attachments else None
+        if refusal is not None:
+            # Said before anything is sent; the text and the images stay (here, or stored with the message).
             if not text:
-                self.notify(
-                    "This model cannot see images (no vision projector). Add some text to send.", severity="warning"
-                )
+                self.notify(f"This model cannot see images: {refusal}. Add some text to send.", severity="warning")
                 prompt.restore(event.text)
                 return
             message = (
-                f"{self.cmp.model_label} has no vision projector, so it cannot see the attached "
-                f"image{'s' if len(self.attachments) > 1 else ''}. Send only your text? "
-                "The images stay with the message in the chat history."
+                f"This model cannot see the attached image{'s' if len(self.attachments) > 1 else ''}: "
+                f"{refusal}. Send only your text? The images stay with the message in the chat history."
             )
 
             async def confirmed(send: bool | None) -> None:
@@ -295,7 +294,24 @@ class ChatScreen(Screen[None]):
     async def _start_reply(self) -> None:
         model = self.app_model()
         assert model is not None
-        messages = self.session.conversation(with_images=model_sees_images(model))
+        sees_images = model_sees_images(model)
+        leave_out: set[str] = set()
+        if sees_images:
+            problems = self.session.image_problems()
+            current = [problem for problem in problems if problem.current]
+            if current:
+                # Before the reply starts, not as a failed reply: the message and its images are kept.
+                self.notify(
+                    f"{current[0].line()} Nothing was sent; the message is kept (Ctrl+E edits it, Ctrl+R sends "
+                    "it again).",
+                    severity="error",
+                    timeout=10,
+                )
+                return
+            if problems:
+                leave_out = {problem.image_id for problem in problems}
+                self.notify(f"{problems[0].line()} The reply is written without it.", severity="warning", timeout=8)
+        messages = self.session.conversation(with_images=sees_images, leave_out=leave_out)
         options = self.session.options.generation_options()
         record = self.session.start_reply(self.cmp.model_label)
         view = await self.query_one(Conversation).add_reply(record.model)
@@ -424,6 +440,9 @@ class ChatScreen(Screen[None]):
         if self.session.remove_last_reply() is not None:
             await self.query_one(Conversation).remove_last(1)
         if self.session.messages and self.session.messages[-1].role == "user":
+            refusal = why_no_images(self.app_model()) if self.session.messages[-1].images else None
+            if refusal is not None:
+                self.notify(f"The message's images are not sent: {refusal}.", severity="warning", timeout=6)
             await self._start_reply()
 
     async def action_edit_last(self) -> None:

@@ -7,9 +7,12 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import PIL.Image
+from PIL import UnidentifiedImageError
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.widget import Widget
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual_image.widget import Image
 
@@ -42,11 +45,18 @@ class UserMessage(Vertical):
         if self.images:
             with Horizontal(classes="thumbnails"):
                 for path in self.images:
-                    if path.exists():
-                        yield Image(path, classes="thumbnail")
-                    else:
-                        yield Static(f"[image missing: {path.name}]", classes="thumbnail-missing", markup=False)
+                    yield _thumbnail(path)
         yield Static(self.text, classes="body", markup=False)
+
+
+def _thumbnail(path: Path) -> Widget:
+    """The image's thumbnail, or a line saying it is gone or unreadable (a chat must open whatever its files)."""
+    if not path.exists():
+        return Static(f"[image missing: {path.name}]", classes="thumbnail-missing", markup=False)
+    try:
+        return Image(path, classes="thumbnail")
+    except (OSError, ValueError, UnidentifiedImageError, PIL.Image.DecompressionBombError):
+        return Static(f"[image unreadable: {path.name}]", classes="thumbnail-missing", markup=False)
 
 
 class ReasoningBlock(Collapsible):
