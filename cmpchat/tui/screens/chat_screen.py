@@ -205,7 +205,7 @@ class ChatScreen(Screen[None]):
         title.model_name = self.cmp.model_label
         title.device = self.cmp.device_label
         title.context_max = context_limit(model)
-        self.query_one(AttachmentBar).model_sees_images = model_sees_images(model)
+        self.query_one(AttachmentBar).no_images_reason = why_no_images(model)
         self.speed = replace(self.speed, phase="idle", context_max=context_limit(model), load_stage="")
         self._count_context()
         self.call_later(self._reply_to_waiting_message)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from cmpchat.errors import CmpchatError
 from cmpchat.history.export import chat_to_markdown
-from cmpchat.tui.model_request import model_sees_images
+from cmpchat.tui.model_request import why_no_images
 from cmpchat.tui.screens.chat_settings import ChatSettingsScreen
 from cmpchat.tui.screens.dialogs import ConfirmDialog, TextInputDialog
 from cmpchat.tui.screens.image_picker import ImagePickerScreen
@@ -31,10 +31,11 @@ def attach_image(screen: ChatScreen) -> None:
             return
         screen.attachments.append(Attachment(image, path.name))
         screen.query_one(AttachmentBar).attachments = tuple(screen.attachments)
-        if not model_sees_images(screen.app_model()):
+        reason = why_no_images(screen.app_model())
+        if reason is not None:
             screen.notify(
-                "This model has no vision projector: it cannot see images. The image is kept with your message "
-                "in history but not sent to the model.",
+                f"The model cannot see images: {reason}. The image is kept with your message in history but not "
+                "sent to the model.",
                 severity="warning",
                 timeout=6,
             )

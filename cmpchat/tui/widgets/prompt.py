@@ -168,19 +168,21 @@ class Attachment:
 
 
 class AttachmentBar(Horizontal):
-    """The images waiting to be sent with the next message, and whether the model can see them."""
+    """The images waiting to be sent with the next message, and why the model cannot see them, if it cannot."""
 
     attachments: reactive[tuple[Attachment, ...]] = reactive((), recompose=True)
-    model_sees_images: reactive[bool] = reactive(False, recompose=True)
+    no_images_reason: reactive[str | None] = reactive(None, recompose=True)
+    """`model_request.why_no_images` of the model (None: it sees them, or none is loaded yet)."""
 
     def compose(self) -> ComposeResult:
         for attachment in self.attachments:
             image = attachment.image
             yield Static(f"▣ {attachment.name} {image.width}×{image.height}", classes="attachment", markup=False)
-        if self.attachments and not self.model_sees_images:
+        if self.attachments and self.no_images_reason:
             yield Static(
-                "no vision projector: the model cannot see images; they are kept in history, not sent",
+                f"the model cannot see images ({self.no_images_reason}); they are kept in history, not sent",
                 classes="attachment-warning",
+                markup=False,
             )
 
     def watch_attachments(self, attachments: tuple[Attachment, ...]) -> None:
