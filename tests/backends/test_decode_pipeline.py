@@ -149,3 +149,18 @@ def test_one_stage_selects_at_once():
     step = start(pipe, 0, rows=1, value=1.0)
     assert step.stage == 1 and pipe.bridges == []
     assert isinstance(choose(pipe, 0, step), HostSelection) and log == [(0, 0), (-1, 0)]
+
+
+def test_a_choice_that_fails_while_another_group_is_served_fails_for_its_own_reader(hops_never_ready):
+    pipe, log = pipeline(stages=2, groups=2)
+    step = start(pipe, 0, rows=1, value=1.0)
+    choice = choose(pipe, 0, step)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the sampler failed")
+
+    pipe.samplers[0].select = broken  # type: ignore[method-assign]
+    start(pipe, 1, rows=1, value=2.0)
+    pipe.drain()  # group 0's choice is queued here, while serving another call: its failure waits for its reader
+    with pytest.raises(RuntimeError, match="the sampler failed"):
+        choice.tokens()

@@ -52,10 +52,16 @@ class DeferredChoice(Selection):
     def __init__(self, pipeline: DecodePipeline, step: InFlightStep, choose: Callable[[], GpuChoice]) -> None:
         self._pipeline, self._step, self._choose = pipeline, step, choose
         self._choice: GpuChoice | None = None
+        self._error: Exception | None = None
         self.rows = step.rows
 
     def queue(self) -> None:
-        self._choice = self._choose()
+        """Queue the choice (the step has reached the last stage). It may be queued while the host serves another
+        group's call: a failure is kept for this choice's reader, not raised there."""
+        try:
+            self._choice = self._choose()
+        except Exception as error:
+            self._error = error
 
     def tokens(self) -> list[int]:
         return self._queued().tokens()
@@ -64,8 +70,10 @@ class DeferredChoice(Selection):
         return self._queued().logprobs()
 
     def _queued(self) -> GpuChoice:
-        if self._choice is None:
+        if self._choice is None and self._error is None:
             self._pipeline.force(self._step)
+        if self._error is not None:
+            raise self._error
         assert self._choice is not None, "a step's choice is queued when the step reaches the last stage"
         return self._choice
 
@@ -124,6 +132,8 @@ class DecodePipeline:
 
     def force(self, step: InFlightStep) -> None:
         """Queue `step` (and every older step) on every stage, waiting for their hops' bytes."""
+        if step.stage == len(self.stages):
+            return
         for older in self._in_flight:
             while older.stage < len(self.stages):
                 self._hand_on(older)
