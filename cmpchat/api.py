@@ -30,6 +30,7 @@ from cmpchat.engine.events import GenerationEvent
 from cmpchat.engine.reply import GenerationOptions
 from cmpchat.engine.request import Failed, GenerationRequest, Started
 from cmpchat.errors import CmpchatError
+from cmpchat.gpu_readings import GpuStage, activity
 from cmpchat.kv_formats import F16
 from cmpchat.kv_formats import kv_format as kv_format_named
 from cmpchat.model.config import ModelConfig
@@ -99,6 +100,16 @@ class Model:
     @property
     def config(self) -> ModelConfig:
         return self.backend.config
+
+    def gpu_stages(self) -> list[GpuStage] | None:
+        """Each pipeline stage, its GPU and layers, and what the engine's requests are doing now (for GPU panels);
+        None for a backend without stages (the CPU reference). Read without the engine's lock, from any thread:
+        at worst a step old."""
+        summaries = self.backend.stage_summaries()
+        if summaries is None:
+            return None
+        work = activity(item.is_decoding for item in list(self.engine.scheduler.running))
+        return [GpuStage(s.gpu_index, s.gpu_uuid or None, s.index, s.layers, work) for s in summaries]
 
     @property
     def supports_images(self) -> bool:

@@ -4,6 +4,8 @@
 `open_nvml_sampler()` reads NVIDIA's management library through nvidia-ml-py; tests and machines without a GPU
 use `FakeGpuSampler` or get a sampler whose `problem` says why there are no readings. `GpuMonitor` reads a sampler
 on its own thread so that no caller waits on NVML (a PCIe throughput reading alone takes ~20 ms per GPU).
+`GpuStage` is what a GPU does for the model (a pipeline stage, its layers, prefill or decode), from the Python API
+(`Model.gpu_stages`) or a server's answer; `activity` is the one rule both use to name the engine's work.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,6 +52,37 @@ class GpuReading:
     """Why the clocks are held down now, as `THROTTLE_REASONS` names them; () when nothing holds them."""
     uuid: str | None = None
     """"GPU-…": the card whatever order NVML and CUDA number the cards in."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuStage:
+    """One pipeline stage of the model: the GPU that holds it, its layers and what the engine is doing."""
+
+    gpu_index: int
+    """CUDA's index of the GPU (NVML may number the cards otherwise: match by `uuid` where known)."""
+    uuid: str | None
+    stage: int
+    layers: range
+    activity: str
+    """"idle", "prefill", "decode" or "prefill+decode" (`activity`): the same on every stage, since every stage
+    takes part in each engine step."""
+
+
+def activity(decoding: Iterable[bool]) -> str:
+    """What the engine's requests are doing, from whether each one (admitted, or holding a server slot) has
+    begun to decode: "idle" (none), "prefill" (reading prompts), "decode" or "prefill+decode"."""
+    work = {"decode" if busy else "prefill" for busy in decoding}
+    return "+".join(name for name in ("prefill", "decode") if name in work) or "idle"
+
+
+def stages_of(reading: GpuReading, stages: Sequence[GpuStage]) -> list[GpuStage]:
+    """The stages held by the GPU of `reading`: matched by uuid where both know it (NVML's and CUDA's indices
+    differ under `CUDA_VISIBLE_DEVICES` or without `CUDA_DEVICE_ORDER=PCI_BUS_ID`), else by index."""
+    return [
+        stage
+        for stage in stages
+        if (stage.uuid == reading.uuid if stage.uuid and reading.uuid else stage.gpu_index == reading.index)
+    ]
 
 
 THROTTLE_REASONS: dict[int, str] = {

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import types
 
 import pytest
 
+from cmpchat.backends.base import StageSummary
 from cmpchat.gpu_readings import (
     FakeGpuSampler,
     GpuMonitor,
     GpuReading,
+    GpuStage,
     NvmlSampler,
     UnavailableSampler,
+    activity,
     open_nvml_sampler,
+    stages_of,
     throttle_names,
 )
 
@@ -203,6 +208,62 @@ def test_monitor_does_not_start_without_gpus():
     monitor = GpuMonitor(UnavailableSampler("no NVIDIA driver"), lambda r: pytest.fail("no readings expected"))
     monitor.start()
     monitor.stop()
+
+
+def test_activity_names_what_the_requests_do():
+    assert activity([]) == "idle"
+    assert activity([False]) == "prefill"
+    assert activity([True, True]) == "decode"
+    assert activity([True, False]) == "prefill+decode"
+
+
+def test_stages_match_readings_by_uuid_where_both_know_it_else_by_index():
+    on_b = GpuStage(0, "GPU-b", 0, range(0, 8), "idle")  # CUDA's GPU 0 is NVML's GPU 1
+    unknown = GpuStage(1, None, 1, range(8, 16), "idle")
+    stages = [on_b, unknown]
+    assert stages_of(GpuReading(0, "CMP", uuid="GPU-a"), stages) == []
+    assert stages_of(GpuReading(1, "CMP", uuid="GPU-b"), stages) == [on_b, unknown]  # the second by its index
+    assert stages_of(GpuReading(0, "CMP"), stages) == [on_b]
+
+
+def test_the_models_stages_say_what_its_engine_does(tiny_model_path):
+    """`Model.gpu_stages` over a real engine: prefill while a prompt is read, decode, then idle."""
+    from tests.scripted_backend import FOREVER
+    from tests.server.conftest import scripted_model
+
+    model = scripted_model(tiny_model_path)
+    assert model.gpu_stages() is None  # a backend without stages, as the CPU reference
+    summaries = [StageSummary(0, 0, "GPU-a", range(0, 2), 0, 0), StageSummary(1, 1, "", range(2, 4), 0, 0)]
+    model.backend.stage_summaries = lambda: summaries  # type: ignore[method-assign]
+    assert model.gpu_stages() == [
+        GpuStage(0, "GPU-a", 0, range(0, 2), "idle"),
+        GpuStage(1, None, 1, range(2, 4), "idle"),
+    ]
+    reading, read = threading.Event(), threading.Event()
+    prefill = model.backend.prefill
+
+    def held_prefill(*args, **kwargs):
+        reading.set()
+        read.wait(10)
+        return prefill(*args, **kwargs)
+
+    model.backend.prefill = held_prefill  # type: ignore[method-assign]
+    cancel = threading.Event()
+    replies = threading.Thread(target=lambda: list(model.generate("SAY:" + FOREVER, cancel=cancel)))
+    replies.start()
+    try:
+        assert reading.wait(10)
+        assert {stage.activity for stage in model.gpu_stages() or []} == {"prefill"}
+        read.set()
+        deadline = time.monotonic() + 10
+        while (model.gpu_stages() or [])[0].activity != "decode":
+            assert time.monotonic() < deadline, "the request never decoded"
+            time.sleep(0.01)
+    finally:
+        read.set()
+        cancel.set()
+        replies.join(10)
+    assert {stage.activity for stage in model.gpu_stages() or []} == {"idle"}
 
 
 @pytest.mark.gpu

@@ -55,7 +55,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cmpchat.api import Model
-from cmpchat.gpu_readings import GpuMonitor, GpuReading, GpuSampler
+from cmpchat.gpu_readings import GpuMonitor, GpuReading, GpuSampler, GpuStage, stages_of
+from cmpchat.gpu_readings import activity as engine_activity
 from cmpchat.server.runtime import Runtime
 from cmpchat.server.slots import SlotHolder
 
@@ -109,27 +110,23 @@ class GpuReadings:
 
 def activity(holders: Sequence[SlotHolder | None]) -> str:
     """What the requests holding slots are doing: "idle", "prefill", "decode" or "prefill+decode"."""
-    work = {"decode" if holder.decoding else "prefill" for holder in holders if holder is not None}
-    return "+".join(name for name in ("prefill", "decode") if name in work) or "idle"
+    return engine_activity(holder.decoding for holder in holders if holder is not None)
 
 
-def stages_by_gpu(model: Model | None) -> dict[int | str, list[dict[str, int]]] | None:
-    """The pipeline stages on each GPU, by its uuid where the backend knows it (NVML and CUDA may number the cards
-    differently), else by CUDA index; None while loading or when the backend has no stages."""
-    stages = None if model is None else model.backend.stage_summaries()
-    if stages is None:
-        return None
-    by_gpu: dict[int | str, list[dict[str, int]]] = {}
-    for stage in stages:
-        layers = stage.layers
-        entry = {"stage": stage.index, "first_layer": layers.start, "last_layer": layers.stop - 1}
-        by_gpu.setdefault(stage.gpu_uuid or stage.gpu_index, []).append(entry)
-    return by_gpu
+def model_stages(model: Model | None) -> list[GpuStage] | None:
+    """The pipeline stages and their GPUs; None while loading or when the backend has no stages."""
+    return None if model is None else model.gpu_stages()
 
 
-def gpu_json(reading: GpuReading, stages: dict[int | str, list[dict[str, int]]] | None, work: str) -> dict[str, Any]:
+def gpu_json(reading: GpuReading, stages: list[GpuStage] | None, work: str) -> dict[str, Any]:
+    """A reading with the stages its GPU holds (`gpu_readings.stages_of`: by uuid where both know it)."""
     body = asdict(reading)
-    held = None if stages is None else stages.get(reading.uuid or "", stages.get(reading.index, []))
+    held = None
+    if stages is not None:
+        held = [
+            {"stage": s.stage, "first_layer": s.layers.start, "last_layer": s.layers.stop - 1}
+            for s in stages_of(reading, stages)
+        ]
     body["stages"] = held
     body["activity"] = work if held else None
     return body
@@ -139,7 +136,7 @@ async def gpus(request: Request) -> Response:
     runtime: Runtime = request.app.state.runtime
     source: GpuReadings = request.app.state.gpu_readings
     readings, sampled_at, problem = await anyio.to_thread.run_sync(source.latest)
-    stages = stages_by_gpu(runtime.model)
+    stages = model_stages(runtime.model)
     work = activity(runtime.slots.holders())
     return JSONResponse(
         {

@@ -23,7 +23,7 @@ from textual.reactive import var
 from textual.screen import Screen
 
 from cmpchat.errors import CmpchatError
-from cmpchat.gpu_readings import GpuMonitor, GpuReading, GpuSampler, open_nvml_sampler
+from cmpchat.gpu_readings import GpuMonitor, GpuReading, GpuSampler, GpuStage, open_nvml_sampler
 from cmpchat.history.images import ImageStore
 from cmpchat.history.store import HistoryStore, SearchHit
 from cmpchat.long_lived import freeze_loaded, thaw_before_replacing
@@ -40,6 +40,7 @@ from cmpchat.tui.session import ChatSession
 from cmpchat.tui.settings import AppState, Settings, load_state, save_state, settings_path
 from cmpchat.tui.themes import DEFAULT_THEME, load_themes
 from cmpchat.tui.widgets.chat_list import ChatRows
+from cmpchat.tui.widgets.gpu_panel import GpuPanel
 from cmpchat.tui.widgets.prompt import PromptArea
 
 __all__ = ["CmpchatApp", "ModelRequest"]
@@ -79,6 +80,8 @@ class CmpchatApp(App[None]):
     model: var[ChatModel | None] = var(None)
     gpu_readings: var[tuple[GpuReading, ...]] = var(())
     gpu_problem: var[str | None] = var(None)
+    gpu_stages: var[tuple[GpuStage, ...]] = var(())
+    """The model's pipeline stages on the GPUs shown, and what the engine does (the GPU panel's stage column)."""
 
     @dataclass
     class LoadProgressed(Message):
@@ -97,6 +100,8 @@ class CmpchatApp(App[None]):
         problem: str | None
         source: object
         """The monitor or poller that read them: readings from a source no longer shown are dropped."""
+        stages: tuple[GpuStage, ...] | None = None
+        """A server's stages on its GPUs; None for this machine's, which the model in this process says."""
 
     @dataclass
     class ModelFailed(Message):
@@ -386,9 +391,7 @@ class CmpchatApp(App[None]):
             return  # nothing generates in this process, and a server is not the model to open next time
         sys.setswitchinterval(GIL_SWITCH_SECONDS.get(message.model.backend.name, 0.005))
         self.app_state.last_model = message.request.remembered
-        self._save_state()
-        if message.model.is_demo:
-            self.notify("Demo model: random weights, so its replies are random text.", severity="warning", timeout=5)
+        self._save_state()  # the demo model says what it is in the banner over the chat, not in a notice
 
     def on_cmpchat_app_model_failed(self, message: ModelFailed) -> None:
         screen = self.chat_screen
@@ -428,17 +431,34 @@ class CmpchatApp(App[None]):
         if isinstance(model, RemoteModel):
 
             def post(report: ServerGpuReport) -> None:
-                self.post_message(self.GpuReadings(report.readings, report.problem, poller))
+                self.post_message(self.GpuReadings(report.readings, report.problem, poller, report.stages))
 
             poller = ServerGpuPoller(model.server, post, self.settings.gpu_sample_seconds)
             self._server_gpus = poller
             self.gpu_readings, self.gpu_problem = (), None  # "reading GPUs…" until the server answers
+            self.gpu_stages = ()
             poller.start()
         elif was_remote and self._gpu_sampler is not None:
             self.gpu_readings, self.gpu_problem = (), self._gpu_sampler.problem
+            self.gpu_stages = ()
 
     def on_cmpchat_app_gpu_readings(self, message: GpuReadings) -> None:
         if message.source is not (self._server_gpus or self._gpu_monitor):
             return
+        self.gpu_stages = message.stages if message.stages is not None else self._local_stages()
         self.gpu_readings = message.readings
         self.gpu_problem = message.problem
+
+    def _local_stages(self) -> tuple[GpuStage, ...]:
+        """The stages of the model this process runs, read at each GPU reading (cheap: no driver call)."""
+        model = self.model
+        if model is None or isinstance(model, RemoteModel):
+            return ()
+        return tuple(model.gpu_stages() or ())
+
+    def watch_gpu_stages(self, stages: tuple[GpuStage, ...]) -> None:
+        # The chat screen's side panel; the full-screen list watches this itself.
+        screen = self.chat_screen
+        if screen is not None:
+            for panel in screen.query(GpuPanel):
+                panel.stages = stages

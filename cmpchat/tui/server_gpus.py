@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from cmpchat.gpu_readings import GpuReading
+from cmpchat.gpu_readings import GpuReading, GpuStage
 from cmpchat.tui.remote_model import RemoteServer, failure_reason, refusal
 
 GPUS_PATH = "/cmpchat/gpus"
@@ -26,10 +26,11 @@ _FIELDS = {f.name for f in fields(GpuReading)}
 
 @dataclass(frozen=True, slots=True)
 class ServerGpuReport:
-    """One answer: the readings, or the one line the panel shows instead; `final` when asking again is
-    pointless (the server has no such endpoint)."""
+    """One answer: the readings and the pipeline stages on them, or the one line the panel shows instead;
+    `final` when asking again is pointless (the server has no such endpoint)."""
 
     readings: tuple[GpuReading, ...] = ()
+    stages: tuple[GpuStage, ...] = ()
     problem: str | None = None
     final: bool = False
 
@@ -47,19 +48,34 @@ def read_server_gpus(server: RemoteServer, client: httpx.Client) -> ServerGpuRep
     try:
         body = response.json()
         readings = tuple(reading_from_json(gpu) for gpu in body["gpus"])
+        stages = tuple(stage for gpu in body["gpus"] for stage in stages_from_json(gpu))
     except (ValueError, KeyError, TypeError):
         return ServerGpuReport(problem=f"no GPU readings: {server.address} answered with something else")
     problem = body.get("problem")
-    return ServerGpuReport(readings, f"{server.address}: {problem}" if problem else None)
+    return ServerGpuReport(readings, stages, f"{server.address}: {problem}" if problem else None)
 
 
 def reading_from_json(gpu: dict[str, Any]) -> GpuReading:
-    """A `GpuReading` from one entry of the answer's `gpus`; fields the app does not show (stages,
-    activity) and any a newer server adds are left out."""
+    """A `GpuReading` from one entry of the answer's `gpus`; its stages (`stages_from_json`) and any field a
+    newer server adds are left out."""
     known = {name: value for name, value in gpu.items() if name in _FIELDS}
     if known.get("throttle_reasons") is not None:
         known["throttle_reasons"] = tuple(known["throttle_reasons"])
     return GpuReading(**known)
+
+
+def stages_from_json(gpu: dict[str, Any]) -> list[GpuStage]:
+    """The pipeline stages one entry of the answer's `gpus` holds, with the server's activity; none where the
+    server says none or nothing (loading, a CPU backend, an older server). The stage takes the GPU's index and
+    uuid as the server reads them, so it matches the reading beside it."""
+    held = gpu.get("stages") or []
+    work = gpu.get("activity") or "idle"
+    return [
+        GpuStage(
+            gpu["index"], gpu.get("uuid"), stage["stage"], range(stage["first_layer"], stage["last_layer"] + 1), work
+        )
+        for stage in held
+    ]
 
 
 class ServerGpuPoller:

@@ -4,7 +4,6 @@ scripted backend as the CUDA backend has them; the API key; no GPU, and a sample
 from __future__ import annotations
 
 import threading
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,12 +73,11 @@ def stage(index: int, gpu: int, layers: range, uuid: str = "") -> StageSummary:
 
 
 def test_stages_are_matched_to_readings_by_the_cards_uuid_where_known() -> None:
-    from cmpchat.server.gpus import gpu_json, stages_by_gpu
+    from cmpchat.gpu_readings import GpuStage
+    from cmpchat.server.gpus import gpu_json
 
     # CUDA's GPU 0 is NVML's GPU 1 (CUDA_VISIBLE_DEVICES=1): the uuid, not the index, tells them apart.
-    summaries = [stage(0, 0, range(0, 4), uuid="GPU-b")]
-    model = types.SimpleNamespace(backend=types.SimpleNamespace(stage_summaries=lambda: summaries))
-    stages = stages_by_gpu(model)  # type: ignore[arg-type]
+    stages = [GpuStage(0, "GPU-b", 0, range(0, 4), "idle")]
     nvml_0 = gpu_json(GpuReading(index=0, name="CMP", uuid="GPU-a"), stages, "idle")
     nvml_1 = gpu_json(GpuReading(index=1, name="CMP", uuid="GPU-b"), stages, "idle")
     assert nvml_0["stages"] == [] and nvml_0["activity"] is None

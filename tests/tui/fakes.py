@@ -25,6 +25,7 @@ from cmpchat.engine.events import (
     Timings,
     ToolCallEvent,
 )
+from cmpchat.gpu_readings import GpuStage
 from cmpchat.tui.model_request import ModelOpener
 
 ANSWER = (
@@ -70,6 +71,11 @@ class ScriptedModel:
     backend: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(name="cpu", context_limit=262_144))
     held: object = field(default=None, repr=False, compare=False)
     """Whatever a test wants the model to keep a reference to (itself, for a reference cycle)."""
+    stages: list[GpuStage] | None = None
+    """What `gpu_stages` answers (None: a backend without pipeline stages, as the CPU reference)."""
+
+    def gpu_stages(self) -> list[GpuStage] | None:
+        return self.stages
 
     def render(self, messages: Sequence[Message], *, tools=None, enable_thinking: bool | None = None) -> RenderedPrompt:
         text = "".join(f"<|im_start|>{m.role}\n{m.text}<|im_end|>\n" for m in messages)

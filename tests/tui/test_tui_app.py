@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from textual.command import CommandList, CommandPalette
+from textual.geometry import Region
 from textual.widgets import OptionList
+from textual.widgets._toast import Toast
 
 from cmpchat.api import open_model
 from cmpchat.model.discovery import FoundModel
@@ -25,6 +27,7 @@ from cmpchat.tui.settings import AppState, Settings
 from cmpchat.tui.widgets.gpu_panel import GpuPanel
 from cmpchat.tui.widgets.load_progress import LoadProgress
 from cmpchat.tui.widgets.messages import ReplyView
+from cmpchat.tui.widgets.prompt import PromptArea
 from cmpchat.tui.widgets.status_bar import StatusBar
 from cmpchat.tui.widgets.title_bar import DemoBanner, TitleBar
 from tests.tui.fakes import ScriptedModel, scripted_opener
@@ -196,6 +199,31 @@ async def test_nothing_found_opens_the_demo_model_with_its_banner(make_app, tmp_
     assert app.app_state.last_model == ""
 
 
+async def test_at_80_by_24_the_demo_banner_is_one_line_and_notices_leave_the_prompt_free(tmp_path):
+    demo = ScriptedModel(is_demo=True)
+    app = CmpchatApp(
+        state=AppState(),
+        state_file=tmp_path / "state.json",
+        history=None,
+        discover=lambda: [],
+        opener=scripted_opener(lambda path: demo),
+    )
+    async with app.run_test(size=(80, 24), notifications=True) as pilot:
+        screen = await ready(pilot)
+        banner = screen.query_one(DemoBanner)
+        assert banner.region.height == 1
+        (line,) = banner.render_lines(Region(0, 0, banner.size.width, 1))
+        # The whole line fits 80 columns: what to do about it too, not only that it is the demo.
+        assert line.text.strip() == "demo model, random text: F4 or cmpchat -m FILE.gguf loads a real model"
+        assert not app._notifications  # the banner says what the demo model is: no notice repeats it
+        app.notify("A notice long enough to wrap over two lines of its box, as most of them do.", timeout=30)
+        await wait_for(pilot, lambda: app.screen.query(Toast), what="the notice")
+        await pilot.pause()
+        prompt = screen.query_one(PromptArea).region
+        toast = app.screen.query_one(Toast).region
+        assert toast.height >= 3 and not toast.overlaps(prompt)
+
+
 async def test_the_last_model_is_opened_again(make_app, tmp_path):
     model_file = tmp_path / "last.gguf"
     model_file.write_bytes(b"GGUF")
@@ -259,8 +287,9 @@ async def test_narrow_screen_has_a_status_bar_and_overlays(make_app):
         await wait_for(pilot, lambda: isinstance(app.screen, GpuScreen))
         panel = app.screen.query_one(GpuPanel)
         await pilot.pause()
-        header, *lines = plain(panel).splitlines()
-        assert "PCIe" in header and len(lines) == 8 and all("MB/s" in line for line in lines)  # one line per GPU
+        first_header, second_header, *lines = plain(panel).splitlines()
+        assert "memory" in first_header and "PCIe" in second_header
+        assert len(lines) == 2 * 8 and all("Gen1x1" in line for line in lines[1::2])  # two lines per GPU
         await pilot.press("escape")
         await pilot.press("f2")
         await wait_for(pilot, lambda: isinstance(app.screen, ChatListScreen))

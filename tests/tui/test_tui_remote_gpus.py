@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cmpchat.gpu_readings import FakeGpuSampler, UnavailableSampler
+from cmpchat.backends.base import StageSummary
+from cmpchat.gpu_readings import FakeGpuSampler, GpuStage, UnavailableSampler
 from cmpchat.server.settings import ServerSettings
 from cmpchat.tui.remote_model import RemoteServer
-from cmpchat.tui.server_gpus import reading_from_json
+from cmpchat.tui.server_gpus import reading_from_json, stages_from_json
 from cmpchat.tui.widgets.gpu_panel import GpuPanel
 from tests.server.conftest import scripted_model
 from tests.server.live import LiveServer, live_server
@@ -38,6 +39,48 @@ def test_a_reading_keeps_the_fields_the_app_knows_and_drops_the_rest():
         {"index": 2, "name": "CMP", "throttle_reasons": ["idle"], "stages": [], "activity": None, "later": 1}
     )
     assert reading.index == 2 and reading.throttle_reasons == ("idle",) and reading.utilization is None
+
+
+def test_the_stages_on_a_gpu_come_with_the_servers_activity():
+    gpu = {
+        "index": 1,
+        "name": "CMP",
+        "uuid": "GPU-b",
+        "stages": [
+            {"stage": 1, "first_layer": 16, "last_layer": 31},
+            {"stage": 2, "first_layer": 32, "last_layer": 47},
+        ],
+        "activity": "prefill",
+    }
+    assert stages_from_json(gpu) == [
+        GpuStage(1, "GPU-b", 1, range(16, 32), "prefill"),
+        GpuStage(1, "GPU-b", 2, range(32, 48), "prefill"),
+    ]
+    assert stages_from_json({"index": 0, "name": "CMP", "stages": [], "activity": None}) == []  # not used
+    assert stages_from_json({"index": 0, "name": "CMP", "stages": None, "activity": None}) == []  # loading
+    assert stages_from_json({"index": 0, "name": "CMP"}) == []  # a server from before stages
+
+
+@pytest.mark.asyncio
+async def test_the_panel_shows_the_stages_a_servers_gpus_hold(tmp_path, tiny_model_path):
+    model = scripted_model(tiny_model_path)
+    model.backend.stage_summaries = lambda: [  # type: ignore[method-assign]
+        StageSummary(0, 0, "", range(0, 2), 0, 0),
+        StageSummary(1, 2, "", range(2, 4), 0, 0),
+    ]
+    settings = ServerSettings(port=0, slots=1, model_name="staged")
+    with live_server(settings, lambda: model, open_gpu_sampler=lambda: FakeGpuSampler(3)) as server:
+        app = remote_app(tmp_path, server.api)
+        async with app.run_test(size=(160, 48)) as pilot:
+            screen = await ready(pilot)
+            await wait_for(pilot, lambda: len(app.gpu_stages) == 2, what="the server's stages")
+            assert app.gpu_stages == (
+                GpuStage(0, None, 0, range(0, 2), "idle"),
+                GpuStage(2, None, 1, range(2, 4), "idle"),
+            )
+            await pilot.pause()
+            lines = plain(screen.query_one(GpuPanel)).splitlines()
+            assert lines[3] == "  s0 L0-1 idle" and lines[4].startswith("1 ") and lines[8] == "  s1 L2-3 idle"
 
 
 @pytest.mark.asyncio

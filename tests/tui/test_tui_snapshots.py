@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cmpchat.gpu_readings import FakeGpuSampler
+from cmpchat.gpu_readings import FakeGpuSampler, GpuStage
 from cmpchat.model.discovery import FoundModel
 from cmpchat.tui.app import CmpchatApp
 from cmpchat.tui.reply_run import ReplyRun
@@ -26,6 +26,8 @@ from tests.tui.helpers import chat_screen, ready, send, wait_for
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((160, 48), id="160x48")]
 SPARK = (22.0, 25.1, 26.8, 27.3, 27.9, 27.2, 27.6, 27.4, 27.5, 27.1, 27.8, 27.4)
+PIPELINE = tuple(GpuStage(i, None, i, range(i * 22, min(64, (i + 1) * 22)), "decode") for i in range(3))
+"""27B's 64 layers as three stages on GPUs 0 to 2 (`--gpus 0,1,2 --split 22,22,20`), decoding."""
 
 
 @pytest.fixture(autouse=True)
@@ -33,8 +35,9 @@ def fixed_reasoning_time(monkeypatch):
     monkeypatch.setattr(ReplyRun, "reasoning_seconds", property(lambda self: 3.1))
 
 
-async def pin(pilot, gpus: int = 4) -> None:
-    """Freeze what changes with time: GPU readings and history, sparkline, cursor, notifications."""
+async def pin(pilot, gpus: int = 4, stages: tuple[GpuStage, ...] = ()) -> None:
+    """Freeze what changes with time: GPU readings and history, sparkline, cursor, notifications; `stages`
+    are the model's pipeline stages on the GPUs."""
     app = pilot.app
     if app._gpu_monitor is not None:
         app._gpu_monitor.stop()
@@ -44,6 +47,7 @@ async def pin(pilot, gpus: int = 4) -> None:
     for screen in app.screen_stack:
         for panel in screen.query(GpuPanel):
             panel.reset_history()
+    app.gpu_stages = stages
     for _ in range(12):
         app.gpu_readings = tuple(sampler.read())
         await pilot.pause()
@@ -122,13 +126,33 @@ def test_chat_settings_dialog(snap_compare, make_app, size):
 
 @pytest.mark.parametrize("size", SIZES)
 def test_gpu_overlay_with_eight_gpus(snap_compare, make_app, size):
+    """Two lines a GPU at 80 columns, one at 160; the stages on GPUs 0 to 2, none on the rest."""
+
     async def run_before(pilot):
         await ready(pilot)
         await pilot.press("f3")
         await pilot.pause()
-        await pin(pilot, gpus=8)
+        await pin(pilot, gpus=8, stages=PIPELINE)
 
     assert snap_compare(chat_app(make_app, gpus=8), terminal_size=size, run_before=run_before)
+
+
+def test_side_panel_with_a_pipeline(snap_compare, make_app):
+    """The side column's stage line under each GPU that holds a stage, while a reply streams."""
+    gate = threading.Event()
+    app = make_app(ScriptedModel(gate=gate), gpus=4)
+
+    async def run_before(pilot):
+        screen = await ready(pilot)
+        await send(pilot, "Explain the delta rule in two sentences.", wait=False)
+        await wait_for(pilot, lambda: screen.speed.generated, what="the first tokens")
+        await pilot.pause(0.1)
+        await pin(pilot, stages=PIPELINE)
+
+    try:
+        assert snap_compare(app, terminal_size=(160, 48), run_before=run_before)
+    finally:
+        gate.set()
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -9,7 +9,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label
 
-from cmpchat.gpu_readings import GpuReading
+from cmpchat.gpu_readings import GpuReading, GpuStage
 from cmpchat.tui.widgets.chat_list import ChatList, SearchFunction
 from cmpchat.tui.widgets.gpu_panel import GpuPanel
 
@@ -60,7 +60,7 @@ class ChatListScreen(ModalScreen[int | None]):
 
 
 class GpuScreen(ModalScreen[None]):
-    """Every GPU, one line each, over the whole width."""
+    """Every GPU over the whole width: every field, in two lines a GPU (one line on a wide terminal)."""
 
     BINDINGS = [Binding("escape,f3", "close", "Close", id="overlay.close")]
 
@@ -80,9 +80,13 @@ class GpuScreen(ModalScreen[None]):
         panel.problem = self.problem
         panel.readings = self.readings
         panel.watch(self.app, "gpu_readings", self._update)
+        panel.watch(self.app, "gpu_stages", self._update_stages)
 
     def _update(self, readings: tuple[GpuReading, ...]) -> None:
         self.query_one(GpuPanel).readings = readings
+
+    def _update_stages(self, stages: tuple[GpuStage, ...]) -> None:
+        self.query_one(GpuPanel).stages = stages
 
     def action_close(self) -> None:
         self.dismiss(None)

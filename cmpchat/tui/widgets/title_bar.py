@@ -52,7 +52,6 @@ class DemoBanner(Static):
 
     def __init__(self) -> None:
         super().__init__(
-            "[b]demo model[/b]: random weights, so replies are random text. "
-            "F4 picks a real GGUF; or start with [b]cmpchat -m FILE.gguf[/b]",
+            "[b]demo model[/b], random text: F4 or [b]cmpchat -m FILE.gguf[/b] loads a real model",
             id="demo-banner",
         )
