@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a bare GPU machine: install the carried wheels, run the GPU self-test, then the GPU tests.
 #
-#   bash cuda/gpu_run.sh [quick|full|bench|prefill|sweep|marks|pipeline] [--budget SECONDS] [--timeout SECONDS] [--tokens N...] [-- PYTEST ARGS...]
+#   bash cuda/gpu_run.sh [quick|full|bench|prefill|sweep|marks|pipeline|cmpcheck] [--profile native|cmp] [--budget SECONDS] [--timeout SECONDS] [--tokens N...] [-- PYTEST ARGS...]
 #
 #   quick (default): the self-test, then `pytest -m "gpu and not slow"` over every test module with GPU tests
 #   full:            the self-test, `pytest -m gpu`, then the benchmarks (cmpchat bench decode, GEMV)
@@ -12,6 +12,14 @@
 #   marks:           the self-test, then issue 25's engine marks (cuda/engine_marks.py)
 #   pipeline:        the self-test, the pipeline's GPU tests (slow ones too), then 27B as three 16 GB stages on GPU 0:
 #                    bench decode and prefill, served (cuda/pipeline_smoke.py) and chatted with in the app
+#   cmpcheck:        the self-test, then cuda/cmp_path_check.py compare: the CMP code path's probe and its
+#                    teacher-forced logits against this GPU's own code path (oracle model and 9B shape), then
+#                    cmpchat doctor --quick --profile cmp
+#
+# --profile cmp runs every phase on the CMP 100-210's code path (cmpchat/cudart/target.py: compute_70 PTX from
+# CUDA 12's NVVM, the sm_70 row, no early launch, 68 SMs on a green context, 16 GiB per stage) after a probe of it
+# (cuda/cmp_path_check.py probe); modes quick, full, bench, prefill and cmpcheck. It needs CUDA 12's NVVM: carry
+# .whl-cmp (cuda/fetch_wheels.sh packs it with the few wheels the GPU tier needs; ".whl" whole is too big beside it).
 #
 # Expects the repository as working directory's parent of cuda/ and, where packages are missing (the
 # device tool's H200 machine), their wheels in .whl/ (cuda/fetch_wheels.sh fetches them; name ".whl" in the
@@ -33,10 +41,25 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 unset NUMBA_ENABLE_CUDASIM
 
 {
+    # .whl-cmp (cuda/fetch_wheels.sh): the GPU tier's wheels unpacked as one xz archive (smaller than the wheels),
+    # and CUDA 12's NVVM for the CMP code path.
+    for bundle in .whl-cmp/site-*.tar.xz; do
+        [ -e "$bundle" ] || continue
+        echo "unpacking $bundle into /tmp/site"
+        mkdir -p /tmp/site && tar -xJf "$bundle" -C /tmp/site || { echo "unpacking $bundle failed"; exit 3; }
+    done
+    for bundle in .whl-cmp/cuda12-nvvm-*.tar.xz; do
+        [ -e "$bundle" ] || continue
+        echo "unpacking $bundle into /tmp/cuda12-nvvm (CMPCHAT_CUDA12_NVVM)"
+        mkdir -p /tmp/cuda12-nvvm && tar -xJf "$bundle" -C /tmp/cuda12-nvvm || { echo "unpacking $bundle failed"; exit 3; }
+        export CMPCHAT_CUDA12_NVVM=/tmp/cuda12-nvvm
+    done
     if compgen -G ".whl/*.whl" >/dev/null; then
         echo "installing $(ls .whl/*.whl | wc -l) carried wheels into /tmp/site"
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
             { echo "wheel install failed"; exit 3; }
+    fi
+    if [ -d /tmp/site ]; then
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     python3 cuda/gpu_run.py --mode "$MODE" --results "$RESULTS" "$@"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from cmpchat.bench.model_files import BENCH_SHAPES, bench_model_path
 from cmpchat.commands.model_args import gpu_memory, int_list
 from cmpchat.commands.progress import StderrProgress
+from cmpchat.cudart.target import add_profile_option, apply_profile_option
 from cmpchat.errors import CmpchatError
 from cmpchat.paths import cache_dir
 
@@ -48,6 +49,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     decode.add_argument("--gpus", metavar="LIST", help="pipeline stages' GPUs, e.g. 0,0,0 (three stages on GPU 0): "
                         "adds each stage's time and a projection to one CMP card per stage")  # fmt: skip
     decode.add_argument("--gpu-mem", metavar="SIZE", help="memory per stage, e.g. 16G (emulates smaller cards)")
+    add_profile_option(decode)
     decode.set_defaults(handler=run_decode_bench)
     prefill = kinds.add_parser("prefill", help="prompt tok/s by prompt length")
     prefill.add_argument("models", nargs="*", default=["9B"], metavar="MODEL",
@@ -60,6 +62,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prefill.add_argument("--gpus", metavar="LIST", help="pipeline stages' GPUs, e.g. 0,0,0 (three stages on GPU 0): "
                          "adds each stage's time and a projection to one CMP card per stage")  # fmt: skip
     prefill.add_argument("--gpu-mem", metavar="SIZE", help="memory per stage, e.g. 16G (emulates smaller cards)")
+    add_profile_option(prefill)
     prefill.set_defaults(handler=run_prefill_bench)
 
 
@@ -71,6 +74,7 @@ def _require_gpu() -> None:
 
 
 def run_prefill_bench(args: argparse.Namespace) -> int:
+    apply_profile_option(args)  # before any kernel is defined (cudart/target.py)
     _require_gpu()
     if any(n < 1 for n in args.tokens):
         raise CmpchatError("prompt lengths must be >= 1")
@@ -128,6 +132,7 @@ def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
 
 
 def run_decode_bench(args: argparse.Namespace) -> int:
+    apply_profile_option(args)  # before any kernel is defined (cudart/target.py)
     _require_gpu()
     if any(c < 0 for c in args.contexts) or args.tokens < 1 or any(not 1 <= b <= 16 for b in args.batches):
         raise CmpchatError("contexts must be >= 0, --tokens >= 1 and batches 1..16")

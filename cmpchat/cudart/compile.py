@@ -14,6 +14,9 @@ from typing import Any
 from numba import cuda
 
 from cmpchat.cudart.intrinsics import SIMULATOR
+from cmpchat.cudart.target import activate
+
+activate()  # the code path CMPCHAT_PROFILE names (cudart/target.py), before any kernel below is defined
 
 
 @dataclass(frozen=True)

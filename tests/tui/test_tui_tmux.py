@@ -109,7 +109,7 @@ def test_chat_on_the_demo_model_in_tmux(tmux, tmp_path):
     if fresh:
         assert saw_progress, "the first start built the demo model without showing progress"
     screen = tmux.screen()
-    assert "random weights" in screen  # the demo banner
+    assert "demo model, random text" in screen  # the demo banner
     tmux.keys("Hello there", "Enter")  # one write: the app reads the text and the Enter together
     screen = tmux.wait(lambda s: SPEED.search(s), 120, "the reply and its speed line")
     speed = SPEED.search(screen)

@@ -23,11 +23,17 @@ class GpuInfo:
 
 def cuda_gpu_present() -> bool:
     """Whether a real NVIDIA GPU and driver are usable (never true under Numba's CUDA simulator)."""
+    from cmpchat.cudart.target import activate
+
     try:
         from numba.cuda import config
 
         if config.ENABLE_CUDASIM:
             return False
+    except Exception:  # no driver, broken install: the CPU backend still works
+        return False
+    activate()  # the code path CMPCHAT_PROFILE names, before Numba loads an NVVM (cuda.is_available does)
+    try:
         from numba import cuda
 
         return bool(cuda.is_available()) and len(cuda.gpus) > 0
@@ -40,12 +46,16 @@ SIMULATED_GPU = GpuInfo(0, "Numba CUDA simulator", (7, 0), 16 * 2**30, 16 * 2**3
 
 
 def gpu_info(index: int = 0) -> GpuInfo:
+    """GPU `index` as the engine plans for it: under a code-path profile (CMPCHAT_PROFILE=cmp, `cudart/target.py`)
+    with the card's SM count and its name marked."""
     from numba import cuda
     from numba.cuda import config
 
+    from cmpchat.cudart import target
+
     if config.ENABLE_CUDASIM:
         return SIMULATED_GPU
-    if not cuda_gpu_present():
+    if not cuda_gpu_present():  # which applies the profile first
         raise CmpchatError("no NVIDIA GPU is usable (no driver or no device); use --backend cpu")
     if index >= len(cuda.gpus):
         raise CmpchatError(f"GPU {index} does not exist; this machine has {len(cuda.gpus)}")
@@ -53,9 +63,9 @@ def gpu_info(index: int = 0) -> GpuInfo:
         device = cuda.get_current_device()
         free, total = cuda.current_context().get_memory_info()
         name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
-        sms = int(device.MULTIPROCESSOR_COUNT)
+        sms = target.engine_multiprocessors(int(device.MULTIPROCESSOR_COUNT))
         uuid = str(getattr(device, "uuid", ""))
-        return GpuInfo(index, name, tuple(device.compute_capability), int(free), int(total), sms, uuid)
+        return GpuInfo(index, target.gpu_name(name), tuple(device.compute_capability), int(free), int(total), sms, uuid)
 
 
 def gpu_count() -> int:
@@ -70,7 +80,10 @@ def gpu_count() -> int:
 
 def stage_budgets(gpus: Sequence[GpuInfo], caps: int | Sequence[int | None] | None) -> list[int]:
     """Memory each stage may plan with: what its GPU has free, shared evenly by the stages on that GPU, capped
-    by `--gpu-mem` (one size for every stage, or one per stage; to emulate 16 GB cards)."""
+    by `--gpu-mem` (one size for every stage, or one per stage; to emulate 16 GB cards) and, under a code-path
+    profile, by its card's memory (`cudart.target.stage_memory_cap`)."""
+    from cmpchat.cudart.target import stage_memory_cap
+
     per_stage = [caps] * len(gpus) if caps is None or isinstance(caps, int) else list(caps)
     if len(per_stage) != len(gpus):
         raise CmpchatError(f"--gpu-mem gives {len(per_stage)} sizes for {len(gpus)} stages; give one, or one per stage")
@@ -80,7 +93,9 @@ def stage_budgets(gpus: Sequence[GpuInfo], caps: int | Sequence[int | None] | No
     budgets = []
     for info, cap in zip(gpus, per_stage, strict=True):
         share = info.free_bytes // sharing[info.index]
-        budgets.append(share if cap is None else min(share, cap))
+        budget = share if cap is None else min(share, cap)
+        card = stage_memory_cap(info.index, info.free_bytes, info.total_bytes)
+        budgets.append(budget if card is None else min(budget, card))
     return budgets
 
 
