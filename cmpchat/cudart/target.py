@@ -490,6 +490,7 @@ def sm_ids_used(stream: int, blocks: int = SM_IDS_BLOCKS, *, graph: bool = False
 
 def _sm_ids_through_cuda_core(stream: int, blocks: int) -> int:
     """As `sm_ids_used`, launched the way Numba launches (cuda.core's `launch` of a library's kernel)."""
+    import numpy as np
     from cuda.core import LaunchConfig, launch
     from numba.cuda.cudadrv.driver import ExperimentalStream, ObjectCode
 
@@ -499,8 +500,9 @@ def _sm_ids_through_cuda_core(stream: int, blocks: int) -> int:
     try:
         _check("cuMemsetD32", driver.cuMemsetD32(out, 0xFFFFFFFF, blocks))
         core_stream = ExperimentalStream.from_handle(int(stream))
-        launch(core_stream, LaunchConfig(grid=blocks, block=32), kernel, ctypes.c_void_p(int(out)),
-               ctypes.c_uint32(SM_IDS_SLEEP_NS))  # fmt: skip
+        # cuda.core takes numpy scalars for the pointer and the count (not ctypes' c_void_p, as the GPU said)
+        launch(core_stream, LaunchConfig(grid=blocks, block=32), kernel, np.uint64(int(out)),
+               np.uint32(SM_IDS_SLEEP_NS))  # fmt: skip
         _check("cuStreamSynchronize", driver.cuStreamSynchronize(stream))
         host = (ctypes.c_uint32 * blocks)()
         _check("cuMemcpyDtoH", driver.cuMemcpyDtoH(ctypes.addressof(host), out, 4 * blocks))
