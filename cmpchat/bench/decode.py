@@ -83,9 +83,7 @@ class DecodeRun:
         here (selection, the host). None for one stage or an unprofiled run."""
         if len(self.stage_replays) < 2 or self.batch != 1:
             return None
-        scale = read_bandwidth / CMP_READ_BANDWIDTH
-        outside = max(self.step_seconds - sum(self.stage_replays), 0.0)
-        stages = [replay * scale for replay in self.stage_replays]
+        stages, outside = self._cmp_stages(read_bandwidth)
         return 1 / (decode_seconds(stages, 4 * self.hidden_size, link or HostLink()) + outside)
 
     def groups_projection(self, read_bandwidth: float, link: HostLink | None = None) -> tuple[float, float] | None:
@@ -97,15 +95,20 @@ class DecodeRun:
         None for batch 1, one stage or an unprofiled run."""
         if len(self.stage_replays) < 2 or self.batch == 1:
             return None
-        scale = read_bandwidth / CMP_READ_BANDWIDTH
-        outside = max(self.step_seconds - sum(self.stage_replays), 0.0)
-        stages = [replay * scale for replay in self.stage_replays]
+        stages, outside = self._cmp_stages(read_bandwidth)
         hop, ids, link = 4 * self.hidden_size * self.batch, 4 * self.batch, link or HostLink()
         one_group = decode_seconds(stages, hop, link, ids_bytes=ids) + outside
         groups = len(stages)
         grouped = grouped_decode_seconds(stages, groups, hop, link, ids_bytes=ids)
         period = max(grouped + outside, groups * outside)
         return groups * self.batch / period, self.batch / one_group
+
+    def _cmp_stages(self, read_bandwidth: float) -> tuple[list[float], float]:
+        """Each stage's replay scaled to a CMP card by the read bandwidths, and the step's time outside the
+        graphs here (selection, the host)."""
+        scale = read_bandwidth / CMP_READ_BANDWIDTH
+        outside = max(self.step_seconds - sum(self.stage_replays), 0.0)
+        return [replay * scale for replay in self.stage_replays], outside
 
 
 def run_decode(

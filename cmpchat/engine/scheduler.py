@@ -37,8 +37,6 @@ class Scheduler:
             raise ValueError("prefill_chunk must be >= 1")
         if groups < 1:
             raise ValueError("groups must be >= 1")
-        if slots > groups * group_rows:
-            raise ValueError(f"{slots} slots exceed {groups} groups of {group_rows} rows")
         self.slots = slots
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk

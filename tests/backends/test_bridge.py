@@ -29,7 +29,8 @@ def hand_off_many(handoffs: int, width: int, seed: int = 0) -> None:
     for i in range(handoffs):
         size = int(rng.integers(1, width + 1))  # hidden states of 1 to 256 rows differ in size
         source[:size].copy_to_device(payloads[i, :size], stream=producer_stream)
-        bridge.send(source[:size], target[:size])
+        bridge.take(source[:size])
+        bridge.deliver(target[:size])
         arrived[i, :size].copy_to_device(target[:size], stream=consumer_stream)
         payloads[i, size:] = 0
         arrived[i, size:].copy_to_device(payloads[i, size:], stream=consumer_stream)
@@ -48,11 +49,12 @@ def test_a_payload_larger_than_the_bridge_is_refused():
     here = contextlib.nullcontext
     bridge = HostBridge((here, cuda.stream()), (here, cuda.stream()), 4)
     with pytest.raises(ValueError, match="cannot hand 8 values"):
-        bridge.send(cuda.device_array(8, np.float32), cuda.device_array(8, np.float32))
-    with pytest.raises(ValueError, match="cannot hand 4 values to 3"):
-        bridge.send(cuda.device_array(4, np.float32), cuda.device_array(3, np.float32))
+        bridge.take(cuda.device_array(8, np.float32))
     with pytest.raises(RuntimeError, match="nothing was taken"):
         bridge.deliver(cuda.device_array(4, np.float32))
+    bridge.take(cuda.device_array(4, np.float32))
+    with pytest.raises(ValueError, match="cannot hand 4 values to 3"):
+        bridge.deliver(cuda.device_array(3, np.float32))
 
 
 def overlapped_hand_offs(chunks: int, width: int, seed: int = 0) -> None:

@@ -59,18 +59,11 @@ class HostBridge:
         self.bytes = 0
         """Hand-offs and bytes sent so far (the benchmark reports bridge bytes per token)."""
 
-    def send(self, source: Any, target: Any) -> None:
-        """Queue the copy of `source` (a contiguous fp32 array on the producer's GPU) into `target` (one of the
-        same size on the consumer's): returns once the bytes are in host memory and the upload is queued."""
-        if target.size != source.size:
-            raise ValueError(f"cannot hand {source.size} values to {target.size}")
-        self.take(source)
-        self.deliver(target)
-
     def take(self, source: Any) -> None:
-        """Queue `source`'s copy into the next host buffer behind the producer's work (returns at once, unless
-        the consumer has not yet copied out of that buffer what it last held). `deliver` sends the oldest taken
-        on; a pipelined prompt takes a stage's output before the next stage is ready for it."""
+        """Queue `source`'s copy (a contiguous fp32 array on the producer's GPU) into the next host buffer behind
+        the producer's work (returns at once, unless the consumer has not yet copied out of that buffer what it
+        last held). `deliver` sends the oldest taken on, later: a pipeline takes a stage's output before the next
+        stage is ready for it."""
         if source.size > self.host.shape[1]:
             raise ValueError(f"cannot hand {source.size} values through a {self.host.shape[1]} buffer")
         if len(self._taken) == len(self.host):

@@ -83,7 +83,6 @@ class DecodePipeline:
 
     def __init__(self, stages: Sequence[Stage], groups: int, hidden_size: int, use_graphs: bool) -> None:
         self.stages = list(stages)
-        self.groups = groups
         first, last = self.stages[0], self.stages[-1]
         self.bridges = [
             HostBridge((stage.on_device, stage.stream), (after.on_device, after.stream), MAX_ROWS * hidden_size,
