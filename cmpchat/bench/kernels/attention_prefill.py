@@ -10,6 +10,7 @@ import argparse
 import numpy as np
 from numba import cuda
 
+from cmpchat.bench.kernels import add_shapes_argument
 from cmpchat.bench.kernels.device import bench_gpu
 from cmpchat.bench.kernels.timing import seconds_per_call
 from cmpchat.kernels.attention import POSITION_COLUMNS
@@ -80,7 +81,7 @@ def benchmark_prefill_attention(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Time prefill attention (256 rows ending at each context).")
-    parser.add_argument("models", nargs="*", default=["9B", "27B"], choices=sorted(SHAPES))
+    add_shapes_argument(parser, sorted(SHAPES), ["9B", "27B"])
     parser.add_argument("--context", type=int, nargs="+", default=[256, 4096, 16384, 65536])
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)

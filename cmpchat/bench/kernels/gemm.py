@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from cmpchat.bench.kernels import add_shapes_argument
 from cmpchat.bench.kernels.device import bench_gpu
 from cmpchat.bench.kernels.gemv import QWEN_GEMV_SHAPES
 from cmpchat.cudart.profile import time_launches
@@ -113,7 +114,7 @@ def sweep_tilings(model: str, tokens: list[int], repeats: int, peak: float) -> N
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=list(PREFILL_SHAPES), choices=list(PREFILL_SHAPES))
+    add_shapes_argument(parser, PREFILL_SHAPES, PREFILL_SHAPES)
     parser.add_argument("--tokens", nargs="*", type=int, default=[512, 2048])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="time every tiling in SWEEP_TILINGS instead")
