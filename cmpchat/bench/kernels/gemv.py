@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from cmpchat.bench.kernels import add_shapes_argument
 from cmpchat.bench.kernels.device import bench_gpu
 from cmpchat.cudart.launch import Launch
 from cmpchat.cudart.profile import time_launches
@@ -188,7 +189,7 @@ def fixed_costs(model: str, repeats: int, limit: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=list(QWEN_GEMV_SHAPES), choices=list(QWEN_GEMV_SHAPES))
+    add_shapes_argument(parser, QWEN_GEMV_SHAPES, QWEN_GEMV_SHAPES)
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="time every one-token tiling instead")
