@@ -48,6 +48,11 @@ IMAGE_PAD = "<|image_pad|>"
 """The token the chat template writes for each image; the prompt holds one per merged image token."""
 ImageSource = str | Path | bytes
 """An image file's path, or its bytes."""
+CUDA_IMAGE_MAX_PIXELS = 2048 * 2048
+"""The cuda backend's default pixel budget: 4096 merged tokens an image. Qwen3.5's own (16.8 MP) would reserve
+2.7 GiB of encoder scratch on the first GPU at the 9B's width, a sixth of a 16 GB CMP, and its patches' attention
+(65,536 of them) would take tens of seconds there; at this budget the scratch is 0.7 GiB, and a 1280x720
+photograph (880 tokens) is not resized."""
 
 
 class Model:
@@ -196,10 +201,7 @@ class Model:
                 "(--mmproj FILE, open_model(mmproj=...)) to send images"
             )
         if self.image_encoder is None or not self.backend.reads_images:
-            raise CmpchatError(
-                f"the {self.backend.name} backend cannot read images yet; use the CPU reference backend "
-                "(--backend cpu) for prompts with images"
-            )
+            raise CmpchatError(f"the {self.backend.name} backend does not read images")
         return self.image_encoder
 
     def _opening_end(
@@ -335,9 +337,9 @@ def open_model(
     default the backend's own (the GPU's fp16, the CPU's fp32 or, with `mirror_gpu`, fp16). The compressed
     formats run on the CPU reference only for now. `mmproj`: the vision projector (default: the mmproj file
     beside the model, if there is one); `image_budget` the pixel area images are resized within (default
-    Qwen3.5's, 64 to 16384 tokens an image). Images run on the CPU reference only for now: the cuda backend
-    leaves the projector unloaded and refuses images in one line. `progress(stage, done, total)` reports slow
-    steps. The model comes back ready: a GPU backend has compiled and captured every step the engine runs.
+    Qwen3.5's, 64 to 16384 tokens an image; on cuda at most `CUDA_IMAGE_MAX_PIXELS`). On cuda the encoder runs
+    on the first stage's GPU, whose memory plan reserves its weights and its scratch at the budget's largest
+    image. `progress(stage, done, total)` reports slow steps. The model comes back ready: a GPU backend has compiled and captured every step the engine runs.
     """
     if backend not in BACKENDS:
         raise CmpchatError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
@@ -354,7 +356,19 @@ def open_model(
     config = ModelConfig.from_model_file(model_file)
     if kv_format is not None:
         kv_format.check(config.head_dim)
+    projector_path = Path(mmproj) if mmproj is not None else None if is_demo else projector_beside(model_path)
+    projector = None
+    if projector_path is not None:  # before the model: a projector of another width is refused at once
+        if progress is not None:
+            progress("loading the vision projector", 0, 1)
+        projector = open_projector(projector_path, text_width=config.hidden_size)
+        if progress is not None:
+            progress("loading the vision projector", 1, 1)
+    if image_budget is None and backend == "cuda":
+        image_budget = PixelBudget(max_pixels=CUDA_IMAGE_MAX_PIXELS)
     loaded: Backend[Any]
+    encoder_gpu = None
+    """Where images are encoded: the first stage's GPU on cuda, where they enter the pipeline; None: numpy."""
     if backend == "cuda":
         if kv_format is not None and kv_format is not F16:
             raise CmpchatError(
@@ -362,8 +376,14 @@ def open_model(
                 "(--backend cpu); the cuda backend keeps an f16 cache"
             )
         from cmpchat.backends.gpu.model import CudaBackend
+        from cmpchat.vision.gpu_encoder import device_bytes
 
-        loaded = CudaBackend(
+        encoder_bytes = 0
+        if projector is not None:
+            assert image_budget is not None
+            patches = image_budget.max_pixels // projector.config.patch_size**2
+            encoder_bytes = device_bytes(projector.config, patches)
+        loaded = gpu_backend = CudaBackend(
             model_file,
             config,
             sequences=sequences,
@@ -375,7 +395,9 @@ def open_model(
             split=split,
             use_graphs=use_graphs,
             progress=progress,
+            image_encoder_bytes=encoder_bytes,
         )
+        encoder_gpu = gpu_backend.stages[0].gpu.index
     else:
         if progress is not None:
             progress("loading the model", 0, 1)
@@ -390,14 +412,16 @@ def open_model(
         )
         if progress is not None:
             progress("loading the model", 1, 1)
-    projector_path = Path(mmproj) if mmproj is not None else None if is_demo else projector_beside(model_path)
     image_encoder = None
-    if projector_path is not None and loaded.reads_images:
-        if progress is not None:
-            progress("loading the vision projector", 0, 1)
-        image_encoder = ImageEncoder(open_projector(projector_path, text_width=config.hidden_size), image_budget)
-        if progress is not None:
-            progress("loading the vision projector", 1, 1)
+    if projector is not None:
+        if encoder_gpu is None:
+            image_encoder = ImageEncoder(projector, image_budget)
+        else:
+            if progress is not None:
+                progress("loading the vision projector onto the GPU", 0, 1)
+            image_encoder = ImageEncoder.on_gpu(projector, image_budget, gpu_index=encoder_gpu)
+            if progress is not None:
+                progress("loading the vision projector onto the GPU", 1, 1)
     loaded.warm_up(progress, max_rows=min(sequences, loaded.max_batch))
     return Model(model_file, loaded, is_demo=is_demo, slots=sequences, max_waiting=max_waiting,
                  prefill_chunk=prefill_chunk, image_encoder=image_encoder,

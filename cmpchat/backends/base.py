@@ -205,9 +205,7 @@ class Backend(ABC, Generic[S]):
         """Queue reading `tokens` with their (t, h, w) `positions` [T, 3], each of `images` in place of its
         tokens' embeddings; the logits after the last token (one row). The sequence's next text position is
         then one past the largest position read. A backend without an image path refuses in one line."""
-        raise CmpchatError(
-            f"the {self.name} backend cannot read images yet; use the CPU reference backend (--backend cpu)"
-        )
+        raise CmpchatError(f"the {self.name} backend does not read images")
 
     @abstractmethod
     def decode(self, sequences: Sequence[S], tokens: Sequence[TokenInput], *, group: int = 0) -> Logits:

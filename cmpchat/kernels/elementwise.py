@@ -2,7 +2,9 @@
 
 - `embed_q8_0`: token ids (in device memory, so a captured graph serves any tokens) -> fp32 hidden rows,
   dequantised exactly (int8 * fp16 scale, one rounding, as `q8_0_dequantize`), from the GEMV's repacked
-  Q8_0 layout (`gemv.repack_q8_0`).
+  Q8_0 layout (`gemv.repack_q8_0`). A row whose id is `PLACED_ROW` is left as it is: the backend copied an
+  image's hidden row there before the step, which stands in for the embedding of its `<|image_pad|>` token
+  (no second buffer and no copy kernel; the graphs stay the same for prompts with and without images).
 - `silu`, `sigmoid`, `softplus`: written as the reference writes them, in fp32.
 
 No residual add or SwiGLU kernel: the GEMV's epilogues do both (accumulate into the residual stream after
@@ -26,6 +28,8 @@ _ONE = float32(1.0)
 _THREADS = 128
 Q8_0_BLOCK = 32
 _WORDS_PER_BLOCK = Q8_0_BLOCK // 4
+PLACED_ROW = -2
+"""A token id that tells `embed_q8_0` its row already holds the row's hidden state (an image row)."""
 
 
 # -- shared fp32 device functions (math results cast back: the simulator's math returns Python floats) --
@@ -66,6 +70,8 @@ def embed_q8_0_kernel(token_ids, quants, scales, hidden):
     if word >= quants.shape[1]:
         return
     token = token_ids[row]
+    if token == PLACED_ROW:
+        return
     column = 4 * word
     if token < 0 or token >= quants.shape[0]:  # idle row (or a bad id): zeros, never a wild read
         for i in range(4):
@@ -81,7 +87,8 @@ def embed_q8_0_kernel(token_ids, quants, scales, hidden):
 
 
 def embed_q8_0(token_ids: Any, quants: Any, scales: Any, hidden: Any) -> Launch:
-    """hidden[b] = dequantised embedding row token_ids[b] (a negative id gives a zero row).
+    """hidden[b] = dequantised embedding row token_ids[b]; a row of id `PLACED_ROW` keeps what it holds, any
+    other negative id gives a zero row.
 
     token_ids [B] int32; quants [V, d/4] uint32: the int8 [V, d] weights as little-endian words (byte i of
     word w is weight 4w+i); scales [V, d/32] fp16; hidden [B, d] fp32. All C-contiguous.

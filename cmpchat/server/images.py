@@ -68,7 +68,7 @@ class ImageReader:
         if model.projector_path is None:
             reason = "no vision projector is loaded (start serve with --mmproj FILE)"
         else:
-            reason = f"the {model.backend.name} backend cannot read images yet (serve --backend cpu reads them)"
+            reason = f"the {model.backend.name} backend does not read images"
         raise ApiError(
             400, f"{where}: this server cannot read images: {reason}", param=where, code="image_input_not_supported"
         )

@@ -91,4 +91,4 @@ def why_no_images(model: object) -> str | None:
     if getattr(model, "projector_path", None) is None:
         return f"{name} has no vision projector (put its mmproj file beside it, or give --mmproj FILE)"
     backend = getattr(getattr(model, "backend", None), "name", "this")
-    return f"the {backend} backend cannot read images yet (--backend cpu can)"
+    return f"the {backend} backend does not read images"

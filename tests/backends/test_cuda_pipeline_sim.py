@@ -79,7 +79,7 @@ def test_long_prompts_are_pipelined_stage_k_running_chunk_t_minus_k(tiny_model_p
     stage_of = {id(stage.prompt): stage.index for stage in backend.stages}
     hop_of = {id(hop): index for index, hop in enumerate(backend.prompt_hops)}
 
-    def upload(self, tokens, positions, pages, stream):
+    def upload(self, tokens, positions, pages, stream, images=()):
         uploaded[stage_of[id(self)]] = int(positions[0, 0]) // rows
 
     monkeypatch.setattr(PromptBuffers, "upload", upload)

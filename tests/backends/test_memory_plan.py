@@ -96,6 +96,24 @@ def test_more_sequence_states_leave_a_smaller_pool_and_kv_tokens_cap_it():
     assert capped.pool_tokens == 20_000 // 256 * 256 and capped.total < one.total
 
 
+def test_the_image_encoder_is_reserved_beside_the_model_and_named_when_it_does_not_fit():
+    from cmpchat.vision.gpu_encoder import RELEASED_9B, device_bytes
+
+    config, weights, largest = config_of("9B")
+    encoder = device_bytes(RELEASED_9B, 2048 * 2048 // 16**2)  # weights, and scratch for a 2048 x 2048 image
+    bare = plan(config, weights, largest, 16 * GIB, sequences=5)
+    seeing = plan(config, weights, largest, 16 * GIB, sequences=5, image_encoder=encoder)
+    assert seeing.image_encoder == encoder and seeing.total <= seeing.budget
+    lost = bare.pool_tokens - seeing.pool_tokens
+    assert encoder // seeing.kv_bytes_per_token <= lost <= encoder // seeing.kv_bytes_per_token + seeing.page_tokens
+    assert any(line.startswith("image encoder    1.1") for line in seeing.describe())
+    assert not any(line.startswith("image encoder") for line in bare.describe())
+    tight = bare.total - bare.kv_pool + 512 * 2**20 + 4096 * bare.kv_bytes_per_token + 100 * 2**20  # 100 MiB spare
+    plan(config, weights, largest, tight, sequences=5)
+    with pytest.raises(CmpchatError, match=r"the image encoder 1\.1 GiB, .* no vision projector or a larger card"):
+        plan(config, weights, largest, tight, sequences=5, image_encoder=encoder)
+
+
 def test_short_contexts_still_get_a_whole_page_each():
     config, weights, largest = config_of("9B")
     stage = plan(config, weights, largest, 140 * GIB, sequences=6, context=138)

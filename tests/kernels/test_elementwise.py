@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from cmpchat.kernels.elementwise import embed_q8_0
+from cmpchat.kernels.elementwise import PLACED_ROW, embed_q8_0
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.model.quant import q8_0_dequantize, q8_0_quantize, q8_0_split
 
@@ -19,8 +19,11 @@ def repacked_q8_0(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return words, np.ascontiguousarray(scales), q8_0_dequantize(scales, quants)
 
 
-def gather(token_ids: list[int], words: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    hidden = cuda.to_device(np.full((len(token_ids), 4 * words.shape[1]), np.nan, np.float32))
+def gather(token_ids: list[int], words: np.ndarray, scales: np.ndarray, before: np.ndarray | None = None) -> np.ndarray:
+    """The embedding of `token_ids` into rows that held `before` (default NaNs)."""
+    if before is None:
+        before = np.full((len(token_ids), 4 * words.shape[1]), np.nan, np.float32)
+    hidden = cuda.to_device(before)
     embed_q8_0(
         cuda.to_device(np.array(token_ids, np.int32)), cuda.to_device(words), cuda.to_device(scales), hidden
     ).run()
@@ -34,6 +37,15 @@ def test_embedding_rows_are_exact_and_negative_ids_give_zeros():
     hidden = gather(ids, words, scales)
     np.testing.assert_array_equal(hidden[[0, 1, 2, 4]], exact[[7, 49, 0, 7]])
     np.testing.assert_array_equal(hidden[3], 0)
+
+
+def test_placed_rows_keep_the_hidden_state_copied_there():
+    rng = np.random.default_rng(1)
+    words, scales, exact = repacked_q8_0(rng.standard_normal((20, 64)).astype(np.float32))
+    image_rows = rng.standard_normal((4, 64)).astype(np.float32)
+    hidden = gather([3, PLACED_ROW, PLACED_ROW, 11], words, scales, before=image_rows)
+    np.testing.assert_array_equal(hidden[[0, 3]], exact[[3, 11]])
+    np.testing.assert_array_equal(hidden[1:3], image_rows[1:3])
 
 
 def test_embedding_matches_a_gguf_file(tiny_model_path):

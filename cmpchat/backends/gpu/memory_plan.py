@@ -2,8 +2,9 @@
 
 Pure arithmetic, so it is tested on the CPU and printed before anything is allocated. The KV pool is shared by
 every sequence: it is sized from what remains after the weights, the recurrent states of every sequence the
-stage holds (running and saved), the step buffers and a reserve, and `--ctx` only caps one sequence. A model
-that does not fit is refused with the numbers and what to do.
+stage holds (running and saved), the step buffers, the image encoder (on the first stage, where images enter,
+when a projector is loaded) and a reserve, and `--ctx` only caps one sequence. A model that does not fit is
+refused with the numbers and what to do.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class StagePlan:
     asked_context: int | None
     host_ram: int
     budget: int
+    image_encoder: int = 0
+    """The image encoder's weights and its scratch at the largest image (0: no projector on this stage)."""
 
     @property
     def kv_pool(self) -> int:
@@ -56,7 +59,7 @@ class StagePlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_pool + self.recurrent_state + self.scratch
+        return self.weights + self.kv_pool + self.recurrent_state + self.scratch + self.image_encoder
 
     def describe(self) -> list[str]:
         lines = [
@@ -66,6 +69,7 @@ class StagePlan:
             f"{self.pool_pages} pages of {self.page_tokens}, shared by all sequences)",
             f"recurrent state  {_size(self.recurrent_state)}  ({self.sequences} sequences, running and saved)",
             f"scratch          {_size(self.scratch)}",
+            *self._image_encoder_lines(),
             f"total on GPU     {_size(self.total)} of {_size(self.budget)} usable",
             f"context          {self.context_limit} tokens per sequence at most",
             f"host RAM         {_size(self.host_ram)} while loading",
@@ -76,6 +80,11 @@ class StagePlan:
                 f"holds at most {self.context_limit} tokens (free GPU memory or use a smaller model)"
             )
         return lines
+
+    def _image_encoder_lines(self) -> list[str]:
+        if not self.image_encoder:
+            return []
+        return [f"image encoder    {_size(self.image_encoder)}  (weights, and scratch for the largest image)"]
 
 
 def _size(n: int) -> str:
@@ -123,18 +132,19 @@ def plan_stage(
     page_tokens: int = PAGE_TOKENS,
     prompt_scratch: int = 0,
     decode_scratch: int | None = None,
+    image_encoder: int = 0,
 ) -> StagePlan:
     """Fit `weights` bytes and `sequences` recurrent states, then a KV pool of what is left (at most
     `kv_tokens`, and at most `sequences` full contexts), with `prompt_scratch` bytes for the long-prompt step's buffers and the page tables
     (`PromptBuffers.reserved_bytes`, `StepBuffers.page_table_bytes`) and `decode_scratch` for the decode steps'
-    buffers (default: one decode group's, `scratch_bytes`)."""
+    buffers (default: one decode group's, `scratch_bytes`), and `image_encoder` bytes for the image encoder."""
     if not 1 <= sequences <= MAX_SEQUENCES:
         raise CmpchatError(f"a GPU holds 1 to {MAX_SEQUENCES} sequence states, not {sequences}")
     layer_range = range(config.num_layers) if layers is None else range(min(layers), max(layers) + 1)
     recurrent = sequences * recurrent_bytes_per_sequence
     model_context = min(context or config.context_length, config.context_length)
     scratch = (scratch_bytes(config) if decode_scratch is None else decode_scratch) + prompt_scratch
-    fixed = weights + recurrent + scratch + RESERVE_BYTES
+    fixed = weights + recurrent + scratch + image_encoder + RESERVE_BYTES
     # No set of sequences reads more than all of them at full context, each in whole pages: a larger pool
     # would only hold memory.
     full_contexts = sequences * -(-model_context // page_tokens) * page_tokens
@@ -148,11 +158,13 @@ def plan_stage(
     check_kv_tokens(kv_tokens, least)
     if pool < least:
         need = fixed + kv_bytes_per_token * least
+        images = f", the image encoder {image_encoder / 2**30:.1f} GiB" if image_encoder else ""
+        without_images = ", no vision projector" if image_encoder else ""
         raise CmpchatError(
-            f"{config.name} needs {need / 2**30:.1f} GiB on the GPU (weights {weights / 2**30:.1f} GiB, "
+            f"{config.name} needs {need / 2**30:.1f} GiB on the GPU (weights {weights / 2**30:.1f} GiB{images}, "
             f"{sequences} sequence state(s) of {recurrent_bytes_per_sequence / 2**20:.0f} MiB, a KV pool of "
             f"{least} tokens) but {budget / 2**30:.1f} GiB is usable; use a smaller model, fewer sequences "
-            "(--slots, --cache-states) or a larger card"
+            f"(--slots, --cache-states){without_images} or a larger card"
         )
     return StagePlan(
         layers=layer_range,
@@ -168,4 +180,5 @@ def plan_stage(
         asked_context=context,
         host_ram=2 * min(largest_tensor, HOST_CHUNK_BYTES),
         budget=budget,
+        image_encoder=image_encoder,
     )

@@ -14,6 +14,11 @@ FlashAttention-style prefill attention; captured once per state slot) and its ta
 chunks of up to 16 tokens as the rows. Logits stay on the GPU unless asked for; tokens are chosen there
 (`sampler`) and a decode step reads the ids the last selection wrote into its token input, before they reach
 the host.
+
+Images enter a prompt as hidden rows (`prefill_with_images`): the first stage's steps copy them into their
+hidden states where the embedding would write, and mark those tokens so the embedding leaves them
+(`elementwise.PLACED_ROW`); the rows' (t, h, w) positions reach the RoPE as every step's do. Later stages get
+the image's hidden states as any others, through the hand-offs.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 from cmpchat.backends.base import (
     Backend,
     Chosen,
+    ImageRows,
     Logits,
     Progress,
     Selection,
@@ -38,6 +44,7 @@ from cmpchat.backends.base import (
     host_tokens,
 )
 from cmpchat.backends.gpu.bridge import HandOffSide, OverlappedHandOff
+from cmpchat.backends.gpu.buffers import images_within, mark_placed, place_image_rows
 from cmpchat.backends.gpu.decode_pipeline import DecodePipeline, InFlightStep
 from cmpchat.backends.gpu.device import GpuInfo, gpu_count, gpu_info, stage_budgets
 from cmpchat.backends.gpu.kv_layout import FP16, KvLayout
@@ -97,6 +104,7 @@ def pipeline_decode_groups(stages: int) -> int:
 class CudaBackend(Backend[CudaSequence]):
     name = "cuda"
     max_batch = MAX_ROWS
+    reads_images = True
 
     def __init__(
         self,
@@ -116,6 +124,7 @@ class CudaBackend(Backend[CudaSequence]):
         prompt_rows: int | None = None,
         progress: Progress | None = None,
         tuning: DeviceTuning | None = None,
+        image_encoder_bytes: int = 0,
     ) -> None:
         """`gpus`: the GPU of each pipeline stage, repeats allowed (`[0, 0, 0]`: three stages on GPU 0); default,
         the fewest GPUs, in index order, that hold the model and the asked context. `split`: layers per stage
@@ -123,14 +132,15 @@ class CudaBackend(Backend[CudaSequence]):
         may use, one value or one per stage. `prompt_rows`: tokens per long-prompt step (default
         `prompt_step.prompt_rows`: fewer in a pipeline; tests give one stage a pipeline's to compare them).
         `tuning`: the launch choices every stage runs (`kernels/device_table.py`); default, each GPU's own row
-        (`default_tuning`: the one CMPCHAT_TUNING names, if set)."""
+        (`default_tuning`: the one CMPCHAT_TUNING names, if set). `image_encoder_bytes`: what the first stage's
+        GPU leaves for an image encoder beside the model (`gpu_encoder.device_bytes`)."""
         self.config = config = config or ModelConfig.from_model_file(model_file)
         check_gpu_types(model_file, config)  # before any device call: a k-quant file is refused in one line
         self.use_graphs = use_graphs
         self.max_sequences = min(sequences + saved_states, MAX_SEQUENCES)
         options: dict[str, Any] = dict(
             sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem, layout=layout,
-            page_tokens=page_tokens, split=split, prompt_rows=prompt_rows,
+            page_tokens=page_tokens, split=split, prompt_rows=prompt_rows, image_encoder_bytes=image_encoder_bytes,
         )  # fmt: skip
         infos, self.plans = choose_stages(model_file, config, gpus, tuning, context, options)
         tunings = [tuning or default_tuning(info) for info in infos]
@@ -195,12 +205,14 @@ class CudaBackend(Backend[CudaSequence]):
         layout: KvLayout = FP16,
         page_tokens: int | None = None,
         prompt_rows: int | None = None,
+        image_encoder_bytes: int = 0,
     ) -> list[StagePlan]:
         """What loading would allocate on each stage's GPU (`gpus`, default GPU 0 alone) for `sequences` sequence
         states (running and saved): its layers' weights and states, its step buffers and its share of a KV pool
         that every stage holds for its attention layers. Raises CmpchatError, with the numbers, when the pool
         cannot hold even a short context. `tunings`: the launch choices each stage would run (default, each
-        GPU's: `default_tuning`)."""
+        GPU's: `default_tuning`). `image_encoder_bytes`: reserved on the first stage's GPU for the image encoder
+        (its weights and its scratch at the largest image), where images enter."""
         check_gpu_types(model_file, config)
         infos = list(gpus) if gpus else [gpu_info(0)]
         rows = list(tunings) if tunings else [default_tuning(info) for info in infos]
@@ -238,6 +250,7 @@ class CudaBackend(Backend[CudaSequence]):
                 page_tokens=page_tokens,
                 prompt_scratch=prompt_scratch[stage],
                 decode_scratch=decode_scratch,
+                image_encoder=image_encoder_bytes if stage == 0 else 0,
             )
 
         if len(infos) == 1:
@@ -256,7 +269,8 @@ class CudaBackend(Backend[CudaSequence]):
         full_contexts = sequences * pages_per_row * page_tokens
         most = full_contexts if kv_tokens is None else min(kv_tokens, full_contexts)
         found = split_layers(
-            costs, budgets, [decode_scratch + s for s in prompt_scratch], sequences=sequences,
+            costs, budgets, [decode_scratch + s + (image_encoder_bytes if i == 0 else 0)
+                             for i, s in enumerate(prompt_scratch)], sequences=sequences,
             page_tokens=page_tokens, most_tokens=most, least_tokens=least, counts=split, describe=lambda: config.name,
             labels=[f"GPU {info.index}" for info in infos],
         )  # fmt: skip
@@ -385,6 +399,12 @@ class CudaBackend(Backend[CudaSequence]):
     ) -> CudaLogits:
         return self._read(sequence, tokens, positions, every_row=False)[-1]
 
+    def prefill_with_images(
+        self, sequence: CudaSequence, tokens: Sequence[int], *, positions: np.ndarray, images: Sequence[ImageRows]
+    ) -> CudaLogits:
+        placed = _checked_images(images, len(tokens), self.config.hidden_size)
+        return self._read(sequence, tokens, positions, every_row=False, images=placed)[-1]
+
     def score(self, sequence: CudaSequence, tokens: Sequence[int]) -> np.ndarray:
         rows: list[np.ndarray] = []
         self._read(sequence, tokens, None, every_row=True, take=lambda logits: rows.append(self.to_host(logits)))
@@ -398,11 +418,13 @@ class CudaBackend(Backend[CudaSequence]):
         *,
         every_row: bool,
         take: Callable[[CudaLogits], None] | None = None,
+        images: Sequence[ImageRows] = (),
     ) -> list[CudaLogits]:
-        """Feed `tokens` into `sequence`: long-prompt steps while `prompt_rows` remain (unless `every_row` wants
-        every row's logits), then 16-row chunks; the logits of the long steps' last row, then of each chunk
-        (every row, or the last row). A chunk's logits lie in a buffer the next step overwrites: `take` gets
-        them before it runs."""
+        """Feed `tokens` into `sequence`, `images` in place of their tokens' embeddings: long-prompt steps while
+        `prompt_rows` remain (unless `every_row` wants every row's logits), then 16-row chunks; the logits of the
+        long steps' last row, then of each chunk (every row, or the last row). A chunk's logits lie in a buffer
+        the next step overwrites: `take` gets them before it runs. With `positions`, the sequence's next text
+        position is one past the largest read, as the reference's."""
         _check_live(sequence)
         if len(tokens) == 0:
             raise ValueError("prefill needs at least one token")
@@ -427,14 +449,18 @@ class CudaBackend(Backend[CudaSequence]):
         long_steps = not every_row and all(stage.prompt is not None for stage in self.stages)
         if long_steps and len(tokens) >= self.prompt_rows:
             done = len(tokens) // self.prompt_rows * self.prompt_rows
-            out.append(self._prompt_steps(sequence, ids[:done], None if positions is None else positions[:done]))
+            out.append(self._prompt_steps(sequence, ids[:done], None if positions is None else positions[:done],
+                                          images_within(images, 0, done)))  # fmt: skip
         for start in range(done, len(tokens), MAX_ROWS):
             chunk = [int(t) for t in ids[start : start + MAX_ROWS]]
             row_positions = [None] * len(chunk) if positions is None else list(positions[start : start + len(chunk)])
-            logits = self._step([sequence] * len(chunk), chunk, row_positions, prompt=True)
+            logits = self._step([sequence] * len(chunk), chunk, row_positions, prompt=True,
+                                images=images_within(images, start, start + len(chunk)))  # fmt: skip
             out.append(logits if every_row else CudaLogits(logits.device[logits.rows - 1 :], 1))
             if take is not None:
                 take(out[-1])
+        if positions is not None:
+            sequence.next_position = int(np.max(positions)) + 1
         return out
 
     def decode(self, sequences: Sequence[CudaSequence], tokens: Sequence[TokenInput], *, group: int = 0) -> CudaLogits:
@@ -497,10 +523,12 @@ class CudaBackend(Backend[CudaSequence]):
         *,
         prompt: bool = False,
         group: int = 0,
+        images: Sequence[ImageRows] = (),
     ) -> CudaLogits:
-        """One step of `group`: a token for each row's sequence, or (`prompt`) consecutive tokens of one sequence.
-        None for `tokens`: the group's last selection's ids, already in the step's token input. A decode step is
-        left in flight through the stages (`DecodePipeline`); a prompt's is queued on every stage at once."""
+        """One step of `group`: a token for each row's sequence, or (`prompt`) consecutive tokens of one sequence,
+        `images` in place of some of their embeddings. None for `tokens`: the group's last selection's ids,
+        already in the step's token input. A decode step is left in flight through the stages
+        (`DecodePipeline`); a prompt's is queued on every stage at once."""
         rows = len(sequences)
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"a step takes 1 to {MAX_ROWS} rows, got {rows}")
@@ -524,6 +552,13 @@ class CudaBackend(Backend[CudaSequence]):
             row_positions.append((length, t, h, w))
             row_slots.append(sequence.slot)
             row_pages.append(sequence.pages.pages)
+        if images:
+            marked = np.asarray(row_tokens, np.int64)
+            mark_placed(marked, images)
+            row_tokens = [int(token) for token in marked]
+            first = self.stages[0]
+            with first.on_device():
+                place_image_rows(first.group_buffers[group].hidden, images, first.stream)
         self._upload_inputs(
             row_tokens, row_positions, row_slots, row_pages, tokens_on_device=tokens is None, group=group
         )
@@ -556,12 +591,15 @@ class CudaBackend(Backend[CudaSequence]):
         if not tokens_on_device:
             self._pipeline.fed[group] = None
 
-    def _prompt_steps(self, sequence: CudaSequence, ids: np.ndarray, positions: np.ndarray | None) -> CudaLogits:
-        """Long-prompt steps of `prompt_rows` tokens each (room in the context checked by the caller), pipelined
-        over the stages: at tick t stage k runs chunk t - k, so with S stages up to S chunks are in flight. Each
-        stage's chunk is received, queued and sent on in stage order (`OverlappedHandOff`): the host waits for a
-        chunk's bytes only after the stage that sent them has its next chunk queued, so no stage's stream runs dry
-        while the host waits, and the copies run beside the steps. The logits are the last chunk's last row."""
+    def _prompt_steps(
+        self, sequence: CudaSequence, ids: np.ndarray, positions: np.ndarray | None, images: Sequence[ImageRows]
+    ) -> CudaLogits:
+        """Long-prompt steps of `prompt_rows` tokens each (room in the context checked by the caller), `images`
+        entering on the first stage in place of their tokens' embeddings, pipelined over the stages: at tick t
+        stage k runs chunk t - k, so with S stages up to S chunks are in flight. Each stage's chunk is received,
+        queued and sent on in stage order (`OverlappedHandOff`): the host waits for a chunk's bytes only after the
+        stage that sent them has its next chunk queued, so no stage's stream runs dry while the host waits, and the
+        copies run beside the steps. The logits are the last chunk's last row."""
         chunks = []
         size = self.prompt_rows
         offsets = np.arange(size)
@@ -574,18 +612,19 @@ class CudaBackend(Backend[CudaSequence]):
                 rows[:, 1:] = np.asarray(positions[start : start + size])
             self._grow(sequence, size)
             sequence.next_position = int(rows[-1, 1:].max()) + 1
-            chunks.append((ids[start : start + size], rows, list(sequence.pages.pages)))
+            parts = images_within(images, start, start + size)
+            chunks.append((ids[start : start + size], rows, list(sequence.pages.pages), parts))
         stages = self.stages
         for tick in range(len(chunks) + len(stages) - 1):
             for stage in stages:
                 if not 0 <= tick - stage.index < len(chunks):
                     continue
-                chunk, rows, pages = chunks[tick - stage.index]
+                chunk, rows, pages, chunk_images = chunks[tick - stage.index]
                 assert stage.prompt is not None
                 with stage.on_device():
                     if stage.index > 0:
                         self.prompt_hops[stage.index - 1].receive()
-                    stage.prompt.upload(chunk, rows, pages, stage.stream)
+                    stage.prompt.upload(chunk, rows, pages, stage.stream, chunk_images if stage.index == 0 else ())
                     stage.run_prompt(sequence.slot)
                     if stage.index + 1 < len(stages):
                         self.prompt_hops[stage.index].send()
@@ -689,6 +728,22 @@ def choose_stages(
         assert refusal is not None
         raise refusal
     return fitting
+
+
+def _checked_images(images: Sequence[ImageRows], tokens: int, hidden_size: int) -> list[ImageRows]:
+    """The images sorted by start, their rows C-contiguous float32 (as a copy to the device takes them); each
+    must lie inside the step's `tokens`, apart from the others, `hidden_size` wide."""
+    ordered = []
+    end = 0
+    for image in sorted(images, key=lambda image: image.start):
+        if image.rows.ndim != 2 or image.rows.shape[1] != hidden_size:
+            raise ValueError(f"image rows of shape {image.rows.shape}; the model's hidden size is {hidden_size}")
+        if image.start < end or image.start + len(image.rows) > tokens:
+            raise ValueError(f"image rows at {image.start}..{image.start + len(image.rows)} overlap or leave the "
+                             f"step's {tokens} tokens")  # fmt: skip
+        end = image.start + len(image.rows)
+        ordered.append(ImageRows(image.start, np.ascontiguousarray(image.rows, np.float32)))
+    return ordered
 
 
 def _check_live(sequence: CudaSequence) -> None:

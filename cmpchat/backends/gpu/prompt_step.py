@@ -6,6 +6,7 @@ step reads it once per step's tokens, so its matmuls are the DP4A GEMM (`gemm.py
 CMP rather than bandwidth-bound. Layer by layer, as `step.decode_launches`:
 
     x = embed(tokens)                                                     [rows, d]
+                (an image's rows are copied into x before the step; the embedding leaves them)
     per layer:  p = W_in rms_norm_quantize(x)
                 attention:  q, K/V cache = qk_norm_rope(p);  a = attention(q, cache) * sigmoid(gate)
                             (FlashAttention-style, `attention_prefill`: each row attends to the cache up to
@@ -29,7 +30,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from cmpchat.backends.gpu.buffers import columns, zeros
+from cmpchat.backends.base import ImageRows
+from cmpchat.backends.gpu.buffers import columns, mark_placed, place_image_rows, zeros
 from cmpchat.backends.gpu.kv_layout import KvPages
 from cmpchat.backends.gpu.states import RecurrentStates
 from cmpchat.backends.gpu.step import MatmulInputs
@@ -215,15 +217,25 @@ class PromptBuffers:
     def rows(self) -> int:
         return self.tokens.shape[0]
 
-    def upload(self, tokens: np.ndarray, positions: np.ndarray, pages: Sequence[int], stream: Any) -> None:
-        """The rows' token ids and (cache index, t, h, w) positions, and the pages of their sequence. Every row
+    def upload(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        pages: Sequence[int],
+        stream: Any,
+        images: Sequence[ImageRows] = (),
+    ) -> None:
+        """The rows' token ids and (cache index, t, h, w) positions, the pages of their sequence, and (on the
+        first stage) `images`: rows copied into the hidden states in place of their tokens' embeddings. Every row
         needs the page table (each writes its own token's K/V): row 0 goes up when it changed and is copied to
         the others on the device, doubling the rows copied each time (8 copies for 256 rows)."""
         rows = self.rows
         host = np.empty(5 * rows, np.int32)
         host[:rows] = tokens
+        mark_placed(host[:rows], images)
         host[rows:] = positions.reshape(-1)
         self.inputs.copy_to_device(host, stream=stream)  # pageable: staged before the call returns
+        place_image_rows(self.hidden, images, stream)
         known = self._known_pages
         if list(pages) == known:
             return
