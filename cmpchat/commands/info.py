@@ -79,10 +79,13 @@ def describe(model_file: ModelFile, config: ModelConfig) -> list[str]:
     mix = model_file.type_mix()  # most bytes first
     types = f"{len(model_file.tensors)}: " + ", ".join(f"{t.name} x{n} ({_gib(b)})" for t, n, b in mix)
     weights = sum(info.n_bytes for info in model_file.tensors.values())
-    from cmpchat.backends.gpu.weights import GPU_TYPES
+    from cmpchat.backends.gpu.weights import check_gpu_types
 
-    missing = ", ".join(t.name for t, _, _ in mix if t not in GPU_TYPES)
-    backends = [f"backends      cpu reads every tensor; cuda does not run {missing} yet (GPU support is coming)"]
+    try:
+        check_gpu_types(model_file, config)
+        backends = []
+    except CmpchatError as refusal:
+        backends = [f"backends      cpu reads every tensor; cuda refuses the file: {refusal}"]
     kv = c.kv_bytes_per_token()
     template = "from the file" if model_file.get("tokenizer.chat_template") else "none (cmpchat's built-in ChatML)"
     return [
@@ -95,7 +98,7 @@ def describe(model_file: ModelFile, config: ModelConfig) -> list[str]:
         f"deltanet      {c.num_k_heads} key heads x {c.k_head_dim}, {c.num_v_heads} value heads x {c.v_head_dim}, conv {c.conv_kernel}",
         f"embeddings    {'tied (LM head reuses token_embd)' if c.tied_embeddings else 'separate LM head'}",
         f"tensors       {types}",
-        *(backends if missing else []),
+        *backends,
         f"chat template {template}",
         "memory        "
         f"weights {_gib(weights)}; KV cache (fp16) {kv / 1024:.0f} KiB per token = {_gib(kv * 32768)} at 32K, "

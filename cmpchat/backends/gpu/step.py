@@ -39,6 +39,7 @@ from cmpchat.kernels.gemm import gemm_q8_launch, matmul_kind
 from cmpchat.kernels.gemv import gemv_q8_launch
 from cmpchat.kernels.gemv_float import gemv_float_launch
 from cmpchat.kernels.gemv_fused import gemv_q8_fused_launch
+from cmpchat.kernels.gemv_kquant import kquant_matmul_launch
 from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
 from cmpchat.kernels.quantize import quantize_launch, rms_norm_quantize_launch
 from cmpchat.model.config import LayerKind, ModelConfig
@@ -317,7 +318,8 @@ class MatmulInputs:
     """How a step prepares each matmul's input: at one row a Q8_0 GEMV normalises and quantises it itself
     (`gemv_fused`); otherwise a launch writes the int8 (and fp32, for float weights) form first, and the
     batched GEMV (up to 16 rows) or the GEMM (more, `gemm.matmul_kind`) multiplies, tiled as `tuning` says for
-    `sm_count` SMs."""
+    `sm_count` SMs; 4/5/6-bit weights take `gemv_kquant` at any row count (a launch per part of a matrix whose
+    parts differ in type)."""
 
     b: Any  # StepBuffers, or prompt_step.PromptBuffers: the same activation buffers
     rows: int
@@ -344,7 +346,7 @@ class MatmulInputs:
         norm_launch = rms_norm_quantize_launch(
             hidden, norm, self.eps, b.x_quants[:rows], b.x_scales[:rows], b.normalized[:rows]
         )
-        return [norm_launch, _matmul(matrix, b, rows, out, mode, self.tuning)]
+        return [norm_launch, *_matmul(matrix, b, rows, out, mode, self.tuning)]
 
     def project_into(self, matrix: DeviceMatrix, activations: Any, hidden: Any) -> list[Launch]:
         """hidden += matrix @ activations (the residual add fused into the GEMV)."""
@@ -353,26 +355,50 @@ class MatmulInputs:
         return _project_into(matrix, activations, self.b, self.rows, hidden, self.tuning)
 
 
-def _matmul(matrix: DeviceMatrix, b: Any, rows: int, out: Any, mode: str, tuning: DeviceTuning) -> Launch:
-    """out (=, += or swiglu) matrix @ the normalised input (its int8 form for Q8_0 weights)."""
-    if matrix.is_q8_0:
-        return _q8_matmul(matrix, b.x_quants[:rows], b.x_scales[:rows], out, mode, tuning)
-    return _float_matmul(matrix, b.normalized[:rows], out, mode)
+def _matmul(matrix: DeviceMatrix, b: Any, rows: int, out: Any, mode: str, tuning: DeviceTuning) -> list[Launch]:
+    """out (=, += or swiglu) matrix @ the normalised input (its int8 form for quantised weights)."""
+    if _takes_int8(matrix):
+        return _int8_matmul(matrix, b.x_quants[:rows], b.x_scales[:rows], out, mode, tuning)
+    return [_float_matmul(matrix, b.normalized[:rows], out, mode)]
 
 
 def _project_into(
     matrix: DeviceMatrix, activations: Any, b: Any, rows: int, hidden: Any, tuning: DeviceTuning
 ) -> list[Launch]:
     """hidden += matrix @ activations (the residual add fused into the GEMV)."""
-    if not matrix.is_q8_0:
+    if not _takes_int8(matrix):
         return [_float_matmul(matrix, activations, hidden, "accumulate")]
     width = activations.shape[1]
     quants = columns(b.m_quants, rows, width // 4)
     scales = columns(b.m_scales, rows, width // 32)
     return [
         quantize_launch(activations, quants, scales),
-        _q8_matmul(matrix, quants, scales, hidden, "accumulate", tuning),
+        *_int8_matmul(matrix, quants, scales, hidden, "accumulate", tuning),
     ]
+
+
+def _takes_int8(matrix: DeviceMatrix) -> bool:
+    """Whether the matrix multiplies int8 activations: Q8_0, the 4/5/6-bit types, parts of those."""
+    return matrix.is_q8_0 or matrix.kquant is not None or bool(matrix.parts)
+
+
+def _int8_matmul(
+    matrix: DeviceMatrix, x_quants: Any, x_scales: Any, out: Any, mode: str, tuning: DeviceTuning
+) -> list[Launch]:
+    """out (=, += or swiglu) matrix @ int8 activations; a matrix of parts takes a launch a part, each into its
+    columns of out (parts are never a SwiGLU gate|up: `weights.upload_matrix`)."""
+    if matrix.is_q8_0:
+        return [_q8_matmul(matrix, x_quants, x_scales, out, mode, tuning)]
+    parts = matrix.parts or (matrix,)
+    launches, first = [], 0
+    for part in parts:
+        assert part.tensor_type is not None and part.kquant is not None
+        launches.append(
+            kquant_matmul_launch(part.tensor_type, part.kquant, part.cols, x_quants, x_scales, out, mode=mode,
+                                 out_first=first)
+        )  # fmt: skip
+        first += part.rows
+    return launches
 
 
 def _q8_matmul(matrix: DeviceMatrix, x_quants: Any, x_scales: Any, out: Any, mode: str, tuning: DeviceTuning) -> Launch:

@@ -2,11 +2,14 @@
 
 Matrices that read the same input are stacked into one ("fused") matrix so one GEMV launch reads that
 input once: attention q|k|v, GDN qkv|gate|beta|alpha, FFN gate|up. Q8_0 matrices are stored as quants
-(uint32 words, 4 int8 each) and fp16 scales apart; F16/BF16/F32 matrices keep their type.
+(uint32 words, 4 int8 each) and fp16 scales apart; the 4/5/6-bit types in the layout of
+`kernels/gemv_kquant.py`; F16/BF16/F32 matrices keep their type. A fused matrix whose parts have different
+4/5/6-bit types (a Q4_K_M file's q|k Q4_K with v Q6_K) is held as parts, one launch each.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +19,9 @@ from gguf import GGMLQuantizationType
 from numba import cuda
 
 from cmpchat.backends.gpu.memory_plan import HOST_CHUNK_BYTES
-from cmpchat.backends.gpu.repack import q8_0_row_chunks
+from cmpchat.backends.gpu.repack import kquant_row_chunks, q8_0_row_chunks
 from cmpchat.errors import CmpchatError
+from cmpchat.kernels.gemv_kquant import ARRAY_DTYPES, FORMATS, KQUANT_TYPES, KQuantArrays
 from cmpchat.model.config import LayerKind, ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
@@ -31,33 +35,60 @@ class DeviceMatrix:
 
     rows: int
     cols: int
-    tensor_type: GGMLQuantizationType
+    tensor_type: GGMLQuantizationType | None  # None: parts of different types
     quants: Any = None  # Q8_0: uint32 [rows, cols/4]
     scales: Any = None  # Q8_0: float16 [rows, cols/32]
     dense: Any = None  # F32: float32 [rows, cols]; F16/BF16: uint16 bits [rows, cols]
+    kquant: KQuantArrays | None = None  # the 4/5/6-bit types' arrays
+    parts: tuple[DeviceMatrix, ...] = ()  # stacked along rows, in order, when their types differ
 
     @property
     def is_q8_0(self) -> bool:
         return self.tensor_type == GGMLQuantizationType.Q8_0
 
 
-def upload_matrix(model_file: ModelFile, names: Sequence[str], progress: Progress) -> DeviceMatrix:
-    """Stack the matrices `names` along rows into one device matrix (all must share type and width)."""
+def upload_matrix(
+    model_file: ModelFile, names: Sequence[str], progress: Progress, *, one_type: bool = False
+) -> DeviceMatrix:
+    """Stack the matrices `names` along rows into one device matrix. All must share their width, and their type
+    unless they are all 4/5/6-bit types and `one_type` is not asked for (a SwiGLU gate|up needs one type: its
+    kernel reads a gate row and its up row side by side); then runs of one type become parts."""
     infos = [model_file.tensor_info(name) for name in names]
-    types = {info.type for info in infos}
+    types = [info.type for info in infos]
     widths = {info.shape[1] for info in infos}
-    if len(types) != 1 or len(widths) != 1:
+    mixable = not one_type and all(t in KQUANT_TYPES for t in types)
+    if len(widths) != 1 or (len(set(types)) != 1 and not mixable):
         listing = ", ".join(f"{i.name} ({i.type_name}, {i.shape[1]} wide)" for i in infos)
-        raise CmpchatError(
-            f"{model_file.path.name}: {listing} must share one type and width for the GPU backend; "
-            "use a plain Q8_0 file"
-        )
-    tensor_type, cols = types.pop(), widths.pop()
+        need = "one width" if len(widths) != 1 else "one type (or 4/5/6-bit types only, outside a gate|up pair)"
+        raise CmpchatError(f"{model_file.path.name}: {listing} must share {need} for the GPU backend")
+    runs: list[list[str]] = []
+    for info, previous in zip(infos, [None, *types[:-1]], strict=True):
+        if info.type != previous:
+            runs.append([])
+        runs[-1].append(info.name)
+    parts = [_upload_one_type(model_file, run, progress) for run in runs]
+    if len(parts) == 1:
+        return parts[0]
+    return DeviceMatrix(sum(p.rows for p in parts), widths.pop(), None, parts=tuple(parts))
+
+
+def _upload_one_type(model_file: ModelFile, names: Sequence[str], progress: Progress) -> DeviceMatrix:
+    infos = [model_file.tensor_info(name) for name in names]
+    tensor_type, cols = infos[0].type, infos[0].shape[1]
     rows = sum(info.shape[0] for info in infos)
     matrix = DeviceMatrix(rows, cols, tensor_type)
     if tensor_type == GGMLQuantizationType.Q8_0:
         matrix.quants = cuda.device_array((rows, cols // 4), dtype=np.uint32)
         matrix.scales = cuda.device_array((rows, cols // 32), dtype=np.float16)
+    elif tensor_type in FORMATS:
+        shapes = FORMATS[tensor_type].shapes(rows, cols)
+        matrix.kquant = KQuantArrays(
+            **{
+                name: cuda.device_array(shape, ARRAY_DTYPES[name]) if shape[0] == rows
+                else cuda.to_device(np.zeros(shape, ARRAY_DTYPES[name]))  # a placeholder the type has no use for
+                for name, shape in shapes.items()
+            }
+        )  # fmt: skip
     else:
         dtype = np.float32 if tensor_type == GGMLQuantizationType.F32 else np.uint16
         matrix.dense = cuda.device_array((rows, cols), dtype=dtype)
@@ -70,6 +101,16 @@ def upload_matrix(model_file: ModelFile, names: Sequence[str], progress: Progres
                 matrix.quants[start:stop].copy_to_device(chunk.quants.view(np.uint32))
                 matrix.scales[start:stop].copy_to_device(chunk.scales)
                 progress(chunk.quants.nbytes + chunk.scales.nbytes)
+        elif matrix.kquant is not None:
+            for rows_chunk in kquant_row_chunks(model_file, info.name, HOST_CHUNK_BYTES):
+                start = first + rows_chunk.first_row
+                uploaded = 0
+                for name in ARRAY_DTYPES:
+                    host, device = getattr(rows_chunk.arrays, name), getattr(matrix.kquant, name)
+                    if device.shape[0] == rows:  # not a placeholder
+                        device[start : start + host.shape[0]].copy_to_device(host)
+                        uploaded += host.nbytes
+                progress(uploaded)
         else:
             raw = model_file.raw(info.name).view(matrix.dense.dtype).reshape(info.shape)
             step = max(1, HOST_CHUNK_BYTES // (cols * raw.itemsize))
@@ -134,13 +175,15 @@ GPU_TYPES = (
     GGMLQuantizationType.F16,
     GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q8_0,
+    *KQUANT_TYPES,
 )
 """The tensor types the CUDA kernels multiply; the reader (and the CPU backend) reads more (`model/dequant.py`)."""
 
 
 def check_gpu_types(model_file: ModelFile, config: ModelConfig) -> None:
     """Refuse, in one line and before anything touches a GPU, a file with a tensor the CUDA backend cannot run
-    yet (the k-quants and 4/5-bit types: their GPU kernels are issue 30's next part). MTP blocks, which are
+    (IQ types, TQ, MXFP4, ...), a 4/5/6-bit token embedding (the embedding lookup reads Q8_0), or a layer whose
+    ffn_gate and ffn_up differ in type (the SwiGLU GEMV reads both rows with one kernel). MTP blocks, which are
     never loaded, are not looked at."""
     layers = range(config.num_layers)
     others = [
@@ -153,9 +196,21 @@ def check_gpu_types(model_file: ModelFile, config: ModelConfig) -> None:
         rest = f" (and {len(others) - 1} more tensors: {_type_list(others)})" if len(others) > 1 else ""
         raise CmpchatError(
             f"{model_file.path.name}: tensor '{first.name}' is {first.type_name}{rest}, which the CUDA backend does "
-            f"not run yet (it runs {', '.join(t.name for t in GPU_TYPES)}; GPU support for the others is coming); "
-            "the CPU backend reads it: --backend cpu"
+            f"not run (it runs {', '.join(t.name for t in GPU_TYPES)}); the CPU backend reads it: --backend cpu"
         )
+    embedding = model_file.tensor_info("token_embd.weight")
+    if embedding.type != GGMLQuantizationType.Q8_0:
+        raise CmpchatError(
+            f"{model_file.path.name}: tensor 'token_embd.weight' is {embedding.type_name}; the CUDA backend's "
+            "embedding lookup reads Q8_0 only so far; the CPU backend reads it: --backend cpu"
+        )
+    for i in layers:
+        gate, up = (model_file.tensor_info(f"blk.{i}.ffn_{part}.weight") for part in ("gate", "up"))
+        if gate.type != up.type:
+            raise CmpchatError(
+                f"{model_file.path.name}: {gate.name} is {gate.type_name} but {up.name} is {up.type_name}; the "
+                "CUDA backend's SwiGLU GEMV needs one type for both; the CPU backend reads it: --backend cpu"
+            )
 
 
 def _type_list(infos: Sequence[Any]) -> str:
@@ -163,16 +218,24 @@ def _type_list(infos: Sequence[Any]) -> str:
 
 
 def stage_weight_bytes(model_file: ModelFile, config: ModelConfig, layers: range, *, first: bool, last: bool) -> int:
-    """GPU bytes of what `upload_stage_weights` uploads for this stage (as stored: Q8_0 keeps 34 bytes per 32)."""
-    total = sum(info.n_bytes for name, info in model_file.tensors.items() if _layer_of(name) in layers)
+    """GPU bytes of what `upload_stage_weights` uploads for this stage, as repacked (Q8_0 keeps 34 bytes per 32;
+    the 4/5/6-bit types `KQuantFormat.matrix_bytes`)."""
+    total = sum(_gpu_bytes(model_file, name) for name in model_file.tensors if _layer_of(name) in layers)
     if first:
-        total += model_file.tensor_info("token_embd.weight").n_bytes
+        total += _gpu_bytes(model_file, "token_embd.weight")
     if last:
-        total += model_file.tensor_info("output_norm.weight").n_bytes
+        total += _gpu_bytes(model_file, "output_norm.weight")
         head = "token_embd.weight" if config.tied_embeddings else "output.weight"
         if not (first and config.tied_embeddings):
-            total += model_file.tensor_info(head).n_bytes
+            total += _gpu_bytes(model_file, head)
     return total
+
+
+def _gpu_bytes(model_file: ModelFile, name: str) -> int:
+    info = model_file.tensor_info(name)
+    if info.type in FORMATS:
+        return FORMATS[info.type].matrix_bytes(math.prod(info.shape[:-1]), info.shape[-1])
+    return info.n_bytes
 
 
 def _layer_of(name: str) -> int | None:
@@ -190,7 +253,7 @@ def upload_stage_weights(
         embedding = upload_matrix(model_file, ["token_embd.weight"], progress)
         if not embedding.is_q8_0:
             raise CmpchatError(
-                f"{model_file.path.name}: token_embd.weight is {embedding.tensor_type.name}; "
+                f"{model_file.path.name}: token_embd.weight is {model_file.tensor_info('token_embd.weight').type_name}; "
                 "the GPU backend needs a Q8_0 embedding (use a Q8_0 file)"
             )
     uploaded = {i: _upload_layer(model_file, config, i, progress) for i in layers}
@@ -234,6 +297,6 @@ def _upload_layer(model_file: ModelFile, config: ModelConfig, i: int, progress: 
         mixer_norm=upload_vector(model_file, p + "attn_norm.weight", progress),
         mlp_norm=upload_vector(model_file, p + "post_attention_norm.weight", progress),
         mixer=mixer,
-        gate_up=upload_matrix(model_file, [p + "ffn_gate.weight", p + "ffn_up.weight"], progress),
+        gate_up=upload_matrix(model_file, [p + "ffn_gate.weight", p + "ffn_up.weight"], progress, one_type=True),
         down=upload_matrix(model_file, [p + "ffn_down.weight"], progress),
     )

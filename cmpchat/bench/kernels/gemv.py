@@ -9,6 +9,8 @@ CMPCHAT_TUNING=sm_70 times another row's). `--fixed-costs` shows what a
 one-token launch pays beside streaming its weight: an empty launch, the launch's excess over its weight's
 streaming time at the read bandwidth, the same kernel on a single row pair (launch, prologue and one pair's
 loop, nothing to overlap them), and the unfused kernel on an already-quantised input (no prologue).
+`--types Q4_K Q6_K` times the 4/5/6-bit GEMV (`gemv_kquant.py`, on int8 activations at every token count) at
+the same shapes instead, against the bytes of its repacked layout.
 
 Timing: the launches are captured as a CUDA graph and CUDA events time back-to-back replays, so neither
 Numba's launch path (tens of µs per launch, longer than a small GEMV runs) nor L2 hits (each weight is
@@ -21,6 +23,7 @@ import argparse
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGMLQuantizationType
 from numba import cuda
 
 from cmpchat.bench.kernels import add_shapes_argument
@@ -30,6 +33,7 @@ from cmpchat.cudart.profile import time_launches
 from cmpchat.cudart.selftest_kernels import count_launch
 from cmpchat.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
 from cmpchat.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, gemv_q8_fused_launch
+from cmpchat.kernels.gemv_kquant import ARRAY_DTYPES, FORMATS, KQuantArrays, kquant_matmul_launch
 from cmpchat.kernels.quantize import QUANT_BLOCK
 from cmpchat.model.builder import MODEL_SHAPES
 
@@ -132,6 +136,33 @@ class _DeviceProblem:
         return time_launches(launches, repeats, warmup, early_launch=self.early_launch) / len(launches)
 
 
+def benchmark_kquant_gemv(
+    type_name: str, rows: int, cols: int, tokens: int, *, mode: str, name: str = "", repeats: int = 30,
+    seed: int = 0, cycle_bytes: int = 1 << 30,
+) -> GemvTiming:  # fmt: skip
+    """Time the 4/5/6-bit GEMV of `type_name` for this shape on int8 activations (needs a GPU). The weight's
+    arrays are random bits (the time does not depend on the values), in copies totalling `cycle_bytes`."""
+    fmt = FORMATS[GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(seed)
+    shapes = fmt.shapes(rows, cols)
+    host = {
+        k: rng.integers(0, 256, (n, m * np.dtype(ARRAY_DTYPES[k]).itemsize), dtype=np.uint8).view(ARRAY_DTYPES[k])
+        for k, (n, m) in shapes.items()
+    }
+    weight = fmt.matrix_bytes(rows, cols)
+    copies = max(1, -(-cycle_bytes // weight))
+    arrays = [KQuantArrays(**{k: cuda.to_device(v) for k, v in host.items()}) for _ in range(copies)]
+    x_quants = cuda.to_device(rng.integers(-127, 128, (tokens, cols), dtype=np.int8).view(np.uint32))
+    x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
+    out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
+    gpu, tuning = bench_gpu()
+    launches = [kquant_matmul_launch(fmt.tensor_type, a, cols, x_quants, x_scales, out, mode=mode) for a in arrays]
+    seconds = time_launches(launches, repeats, 3, early_launch=tuning.launches_early(gpu)) / len(launches)
+    activations = tokens * (cols + cols // QUANT_BLOCK * 4)
+    accumulated = tokens * output_shape(rows, tokens, mode)[1] * 4 if mode == "accumulate" else 0
+    return GemvTiming(name, rows, cols, tokens, mode, seconds, weight + activations + accumulated)
+
+
 SWEEP_SHAPES = ((1, 2), (1, 3), (2, 1), (3, 1))
 """(groups of 8 warps per block, blocks per SM) the sweep times: every one fits on an SM at once (at most
 `gemv_fused.SM_THREADS` threads)."""
@@ -194,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="time every one-token tiling instead")
     parser.add_argument("--fixed-costs", action="store_true", help="show what a one-token launch pays beside streaming")
+    parser.add_argument("--types", nargs="*", choices=[t.name for t in FORMATS], default=[],
+                        help="time the 4/5/6-bit GEMV of these types instead of Q8_0's")  # fmt: skip
     args = parser.parse_args(argv)
     from cmpchat.kernels.throughput_probes import streaming_read_bandwidth  # (it imports this module)
 
@@ -207,15 +240,21 @@ def main(argv: list[str] | None = None) -> None:
         for model in args.models:
             fixed_costs(model, args.repeats, limit)
         return
-    print(f"{'model':5} {'shape':24} {'rows':>7} {'cols':>6} {'T':>3} {'mode':10} {'µs':>9} {'GB/s':>7} {'of read':>8}")
+    print(f"{'model':5} {'type':5} {'shape':24} {'rows':>7} {'cols':>6} {'T':>3} {'mode':10} {'µs':>9} {'GB/s':>7} "
+          f"{'of read':>8}")  # fmt: skip
     for model in args.models:
         for name, rows, cols, mode in QWEN_GEMV_SHAPES[model]:
-            for tokens in args.tokens:
-                t = benchmark_gemv(rows, cols, tokens, mode=mode, name=name, repeats=args.repeats)
-                print(
-                    f"{model:5} {name:24} {rows:7} {cols:6} {tokens:3} {mode:10} {t.seconds * 1e6:9.1f} "
-                    f"{t.gigabytes_per_second:7.0f} {t.gigabytes_per_second / limit:8.1%}"
-                )
+            for type_name in args.types or ["Q8_0"]:
+                for tokens in args.tokens:
+                    if type_name == "Q8_0":
+                        t = benchmark_gemv(rows, cols, tokens, mode=mode, name=name, repeats=args.repeats)
+                    else:
+                        t = benchmark_kquant_gemv(type_name, rows, cols, tokens, mode=mode, name=name,
+                                                  repeats=args.repeats)  # fmt: skip
+                    print(
+                        f"{model:5} {type_name:5} {name:24} {rows:7} {cols:6} {tokens:3} {mode:10} "
+                        f"{t.seconds * 1e6:9.1f} {t.gigabytes_per_second:7.0f} {t.gigabytes_per_second / limit:8.1%}"
+                    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""4/5/6-bit weights on the CUDA backend under the simulator: which files load (one-line refusals of what the
+kernels do not run), the memory plan's bytes as repacked, fused matrices whose parts differ in type, and the
+whole backend on a tiny model with llama.cpp's Q4_K_M type mix against the reference backend (on a GPU: `-m gpu`).
+
+The reference's GPU-mirroring mode quantises activations to int8 only before Q8_0 weights so far, so here its
+4/5/6-bit matmuls are given the int8-rounded activations the GPU multiplies (the GPU's sums then differ only in
+fp32 summation order)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from cmpchat.backends.gpu.model import CudaBackend
+from cmpchat.backends.gpu.weights import AttentionWeights, check_gpu_types, stage_weight_bytes, upload_stage_weights
+from cmpchat.backends.reference.layers import Linear
+from cmpchat.backends.reference.model import ReferenceBackend
+from cmpchat.errors import CmpchatError
+from cmpchat.kernels.gemv_kquant import KQUANT_TYPES
+from cmpchat.model.builder import build_model, matrix_types
+from cmpchat.model.config import ModelConfig
+from cmpchat.model.gguf_file import ModelFile
+from cmpchat.model.quant import quantize_activations
+from tests.conftest import WIDE_SHAPE, add_byte_vocabulary
+
+PAGE = 128
+TOKENS = [72, 33]
+
+
+def q4_k_m_with_q8_0_embedding() -> dict[str, T]:
+    """llama.cpp's Q4_K_M mix on the wide tiny model (Q4_K, Q5_0 fallbacks, Q6_K for the head, some attn_v /
+    GDN qkv / ffn_down: mixed fused groups), with a Q8_0 embedding, the type the lookup reads."""
+    return {**matrix_types(WIDE_SHAPE, "Q4_K_M"), "token_embd.weight": T.Q8_0}
+
+
+def build(path: Path, mix: dict[str, T]) -> ModelFile:
+    build_model(path, WIDE_SHAPE, add_tokenizer=add_byte_vocabulary, chat_template=None, mix=mix)
+    return ModelFile(path)
+
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory: pytest.TempPathFactory) -> ModelFile:
+    return build(tmp_path_factory.mktemp("q4_k_m") / "q4_k_m.gguf", q4_k_m_with_q8_0_embedding())
+
+
+def refusal(model_file: ModelFile) -> str:
+    with pytest.raises(CmpchatError) as caught:
+        check_gpu_types(model_file, ModelConfig.from_model_file(model_file))
+    message = str(caught.value)
+    assert "\n" not in message and "--backend cpu" in message
+    return message
+
+
+def test_the_mix_passes_and_unsupported_types_are_refused_naming_the_tensor(mixed_file, tmp_path) -> None:
+    check_gpu_types(mixed_file, ModelConfig.from_model_file(mixed_file))
+    iq = build(tmp_path / "iq.gguf", {**q4_k_m_with_q8_0_embedding(), "blk.1.ffn_up.weight": T.IQ4_XS})
+    assert "tensor 'blk.1.ffn_up.weight' is IQ4_XS" in refusal(iq)
+    embedding = build(tmp_path / "embedding.gguf", {**q4_k_m_with_q8_0_embedding(), "token_embd.weight": T.Q6_K})
+    assert "'token_embd.weight' is Q6_K" in refusal(embedding)
+    swiglu = build(tmp_path / "swiglu.gguf", {**q4_k_m_with_q8_0_embedding(), "blk.1.ffn_up.weight": T.Q6_K})
+    assert "blk.1.ffn_gate.weight is Q4_K but blk.1.ffn_up.weight is Q6_K" in refusal(swiglu)
+
+
+def test_uploaded_bytes_are_the_planned_bytes_and_mixed_groups_become_parts(mixed_file) -> None:
+    config = ModelConfig.from_model_file(mixed_file)
+    layers = range(config.num_layers)
+    uploaded: list[int] = []
+    weights = upload_stage_weights(mixed_file, config, layers, first=True, last=True, progress=uploaded.append)
+    assert sum(uploaded) == stage_weight_bytes(mixed_file, config, layers, first=True, last=True)
+    raw = sum(info.n_bytes for info in mixed_file.tensors.values())
+    assert sum(uploaded) > raw  # the unpacked sub-block scales cost a little more than the file's 12 bytes
+    attention = weights.layers[3].mixer
+    assert isinstance(attention, AttentionWeights)
+    qkv = attention.qkv
+    assert [(part.tensor_type, part.rows) for part in qkv.parts] == [
+        (T.Q4_K, sum(mixed_file.tensor_info(f"blk.3.attn_{n}.weight").shape[0] for n in "qk")),
+        (T.Q6_K, mixed_file.tensor_info("blk.3.attn_v.weight").shape[0]),
+    ]
+    assert weights.lm_head is not None and weights.lm_head.tensor_type == T.Q6_K and weights.lm_head.kquant
+
+
+@pytest.fixture
+def reference_with_int8_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    exact = Linear.__call__
+
+    def int8_rounded(self: Linear, x: np.ndarray) -> np.ndarray:
+        if self.tensor_type in KQUANT_TYPES:
+            quants, scales = quantize_activations(x.astype(np.float32))
+            x = (quants.reshape(len(x), -1, 32) * scales[..., None]).reshape(x.shape).astype(np.float32)
+        return exact(self, x)
+
+    monkeypatch.setattr(Linear, "__call__", int8_rounded)
+
+
+@pytest.mark.gpu  # ~12 minutes under the simulator: the whole backend at the wide model's shapes
+def test_the_backend_on_a_q4_k_m_mix_matches_the_reference(mixed_file, reference_with_int8_activations) -> None:
+    gpu = CudaBackend(mixed_file, sequences=1, saved_states=0, context=2 * PAGE, kv_tokens=2 * PAGE, page_tokens=PAGE)
+    reference = ReferenceBackend(mixed_file, mirror_gpu=True, page_tokens=PAGE)
+    got = gpu.score(gpu.new_sequence(), TOKENS)
+    expected = reference.score(reference.new_sequence(), TOKENS)
+    assert np.abs(got - expected).max() <= 2e-3 * np.abs(expected).max()
+    assert np.array_equal(got.argmax(axis=1), expected.argmax(axis=1))
