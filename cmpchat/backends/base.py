@@ -117,6 +117,21 @@ class ImageRows:
     """float32 [tokens, hidden size]: an image's merged tokens (or a run of them, where a chunk cuts it)."""
 
 
+def checked_images(images: Sequence[ImageRows], tokens: int, hidden_size: int) -> list[ImageRows]:
+    """The images sorted by start; each must lie inside the step's `tokens`, apart from the others, `hidden_size`
+    wide (`prefill_with_images`' contract, checked by every backend that reads images)."""
+    ordered = sorted(images, key=lambda image: image.start)
+    end = 0
+    for image in ordered:
+        if image.rows.ndim != 2 or image.rows.shape[1] != hidden_size:
+            raise ValueError(f"image rows of shape {image.rows.shape}; the model's hidden size is {hidden_size}")
+        if image.start < end or image.start + len(image.rows) > tokens:
+            raise ValueError(f"image rows at {image.start}..{image.start + len(image.rows)} overlap or leave the "
+                             f"step's {tokens} tokens")  # fmt: skip
+        end = image.start + len(image.rows)
+    return ordered
+
+
 def host_tokens(inputs: Sequence[TokenInput]) -> list[int]:
     """The ids of decode inputs, waiting for the selections they come from."""
     return [item if isinstance(item, int) else item.selection.tokens()[item.row] for item in inputs]

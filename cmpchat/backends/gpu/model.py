@@ -41,6 +41,7 @@ from cmpchat.backends.base import (
     Selector,
     StageSummary,
     TokenInput,
+    checked_images,
     host_tokens,
 )
 from cmpchat.backends.gpu.bridge import HandOffSide, OverlappedHandOff
@@ -402,7 +403,9 @@ class CudaBackend(Backend[CudaSequence]):
     def prefill_with_images(
         self, sequence: CudaSequence, tokens: Sequence[int], *, positions: np.ndarray, images: Sequence[ImageRows]
     ) -> CudaLogits:
-        placed = _checked_images(images, len(tokens), self.config.hidden_size)
+        # C-contiguous float32 rows, as a copy to the device takes them
+        placed = [ImageRows(image.start, np.ascontiguousarray(image.rows, np.float32))
+                  for image in checked_images(images, len(tokens), self.config.hidden_size)]  # fmt: skip
         return self._read(sequence, tokens, positions, every_row=False, images=placed)[-1]
 
     def score(self, sequence: CudaSequence, tokens: Sequence[int]) -> np.ndarray:
@@ -728,22 +731,6 @@ def choose_stages(
         assert refusal is not None
         raise refusal
     return fitting
-
-
-def _checked_images(images: Sequence[ImageRows], tokens: int, hidden_size: int) -> list[ImageRows]:
-    """The images sorted by start, their rows C-contiguous float32 (as a copy to the device takes them); each
-    must lie inside the step's `tokens`, apart from the others, `hidden_size` wide."""
-    ordered = []
-    end = 0
-    for image in sorted(images, key=lambda image: image.start):
-        if image.rows.ndim != 2 or image.rows.shape[1] != hidden_size:
-            raise ValueError(f"image rows of shape {image.rows.shape}; the model's hidden size is {hidden_size}")
-        if image.start < end or image.start + len(image.rows) > tokens:
-            raise ValueError(f"image rows at {image.start}..{image.start + len(image.rows)} overlap or leave the "
-                             f"step's {tokens} tokens")  # fmt: skip
-        end = image.start + len(image.rows)
-        ordered.append(ImageRows(image.start, np.ascontiguousarray(image.rows, np.float32)))
-    return ordered
 
 
 def _check_live(sequence: CudaSequence) -> None:

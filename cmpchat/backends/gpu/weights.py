@@ -247,15 +247,11 @@ def _layer_of(name: str) -> int | None:
 def upload_stage_weights(
     model_file: ModelFile, config: ModelConfig, layers: range, *, first: bool, last: bool, progress: Progress
 ) -> StageWeights:
-    """Every weight a stage's steps read, one tensor (or row chunk) in host memory at a time."""
+    """Every weight a stage's steps read, one tensor (or row chunk) in host memory at a time (the types checked
+    first: `check_gpu_types`)."""
     embedding = None
     if first:
         embedding = upload_matrix(model_file, ["token_embd.weight"], progress)
-        if not embedding.is_q8_0:
-            raise CmpchatError(
-                f"{model_file.path.name}: token_embd.weight is {model_file.tensor_info('token_embd.weight').type_name}; "
-                "the GPU backend needs a Q8_0 embedding (use a Q8_0 file)"
-            )
     uploaded = {i: _upload_layer(model_file, config, i, progress) for i in layers}
     output_norm, lm_head = None, None
     if last:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cmpchat.backends.base import Backend, HostLogits, ImageRows, TokenInput, host_tokens
+from cmpchat.backends.base import Backend, HostLogits, ImageRows, TokenInput, checked_images, host_tokens
 from cmpchat.backends.kv_pool import PageList, PagePool, PoolExhausted
 from cmpchat.backends.reference.attention import GatedAttention, PagedKv
 from cmpchat.backends.reference.gated_deltanet import GatedDeltaNet, RecurrentState
@@ -213,7 +213,7 @@ class ReferenceBackend(Backend[ReferenceSequence]):
         images: Sequence[ImageRows],
     ) -> HostLogits:
         segment = self._segment(sequence, tokens, positions)
-        segment.images = _checked_images(images, len(segment.tokens), self.config.hidden_size)
+        segment.images = checked_images(images, len(segment.tokens), self.config.hidden_size)
         return HostLogits(self._logits(self._forward([segment])[-1:]))
 
     def score(self, sequence: ReferenceSequence, tokens: Sequence[int]) -> np.ndarray:
@@ -283,20 +283,6 @@ class ReferenceBackend(Backend[ReferenceSequence]):
     def linears(self) -> list[Linear]:
         """Every weight matrix the model multiplies by, the LM head last."""
         return [linear for layer in self.layers for linear in layer.linears()] + [self.lm_head]
-
-
-def _checked_images(images: Sequence[ImageRows], tokens: int, hidden_size: int) -> list[ImageRows]:
-    """The images sorted by start; each must lie inside the step, apart from the others, `hidden_size` wide."""
-    ordered = sorted(images, key=lambda image: image.start)
-    end = 0
-    for image in ordered:
-        if image.rows.ndim != 2 or image.rows.shape[1] != hidden_size:
-            raise ValueError(f"image rows of shape {image.rows.shape}; the model's hidden size is {hidden_size}")
-        if image.start < end or image.start + len(image.rows) > tokens:
-            raise ValueError(f"image rows at {image.start}..{image.start + len(image.rows)} overlap or leave the "
-                             f"step's {tokens} tokens")  # fmt: skip
-        end = image.start + len(image.rows)
-    return ordered
 
 
 def _check_live(sequence: ReferenceSequence) -> None:
