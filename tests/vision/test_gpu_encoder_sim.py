@@ -241,17 +241,28 @@ def projector():
 
 
 def test_the_gpu_encoder_is_the_int8_path_and_near_the_fp32_reference(projector) -> None:
+    # The tight check runs on drawn pixels, not a resized file: Pillow's resize changes between releases
+    # (13.0 against 12.3 moves the fixture's grey image onto a quant tie: 0.027 apart, 3.6e-7 before).
     gpu = GpuImageEncoder(projector)
-    images = ImageEncoder(projector, PixelBudget(1024, 2048), encode=gpu.encode)
-    case = manifest()["cases"]["shrink_grey"]
-    rows = images.encode(FIXTURES / case["image"]).rows  # 8 patches, 2 merged tokens
-    image = prepared("shrink_grey", projector)
+    still = prepared("shrink_grey", projector)  # 8 patches, 2 merged tokens
+    frame = np.random.default_rng(5).uniform(-1, 1, (8, 3, 1, 256)).astype(np.float32)
+    image = PreparedImage(np.repeat(frame, 2, axis=2).reshape(8, -1), still.grid)  # a still: frames equal
+    rows = gpu.encode(image)
     assert rows.dtype == np.float32 and rows.shape == (2, 32)
     np.testing.assert_allclose(rows, quantized_reference(projector, image), rtol=0, atol=MIRROR_ERROR)
     reference = encode_image(projector, image)
     assert np.abs(rows - reference).max() < INT8_MAX_ERROR
     assert np.sqrt(((rows - reference) ** 2).mean() / (reference**2).mean()) < INT8_RMS_ERROR
-    assert images.encode(FIXTURES / case["image"]).rows is rows and images.encoded == 1  # cached
+
+
+def test_the_encoder_reads_files_once(projector) -> None:
+    gpu = GpuImageEncoder(projector)
+    images = ImageEncoder(projector, PixelBudget(1024, 2048), encode=gpu.encode)
+    path = FIXTURES / manifest()["cases"]["shrink_grey"]["image"]
+    rows = images.encode(path).rows
+    reference = encode_image(projector, prepared("shrink_grey", projector))
+    assert np.abs(rows - reference).max() < INT8_MAX_ERROR
+    assert images.encode(path).rows is rows and images.encoded == 1  # cached
 
 
 def test_moving_frames_take_the_whole_patch_kernel(projector) -> None:
