@@ -3,13 +3,10 @@ and a tiny random model with a byte-level vocabulary for fast end-to-end tests."
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import os
 import sys
 import tempfile
-import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -40,37 +37,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def restore_interpreter_settings(request: pytest.FixtureRequest) -> Iterator[None]:
+def restore_interpreter_settings() -> Iterator[None]:
     """Loading a model in the app or a command freezes the process's objects (cmpchat.long_lived), and the
     app sets the GIL switch interval: both are put back after each test, so garbage a test leaves in
-    cycles is still freed and the next test runs at the default interval. So is the FPU's rounding mode: a
-    whole-suite run once left it at "upward" for later tests (the numpy model of the GPU image encoder then
-    rounded its int8 quants up; run alone, every module keeps round-to-nearest), so a test that changes it is
-    named in a warning and the mode is set back."""
+    cycles is still freed and the next test runs at the default interval."""
     interval = sys.getswitchinterval()
-    rounding = _fpu_rounding()
     yield
     gc.unfreeze()
     sys.setswitchinterval(interval)
-    if _LIBM is not None and rounding is not None and _fpu_rounding() != rounding:
-        warnings.warn(
-            f"{request.node.nodeid} changed the FPU rounding mode; set back to round-to-nearest", stacklevel=1
-        )
-        _LIBM.fesetround(rounding)
-
-
-def _load_libm() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-    except OSError:
-        return None
-
-
-_LIBM = _load_libm()
-
-
-def _fpu_rounding() -> int | None:
-    return int(_LIBM.fegetround()) if _LIBM is not None else None
 
 
 TINY_MERGES = ["H e", "l l", "ll o"]
