@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         f"image {width}x{height} -> grid {image.grid.rows}x{image.grid.cols}: {patches} patches, {merged} merged tokens"
     )
     encoder = GpuImageEncoder(projector)
-    print(f"projector built and uploaded in {time.perf_counter() - started:.1f} s (GEMM tiling {encoder.tiling.label})")
+    attention = encoder.attention
+    print(f"projector built and uploaded in {time.perf_counter() - started:.1f} s (GEMM tiling {encoder.tiling.label}, "
+          f"attention {attention.warps} warps: {attention.tile_queries} queries x 32-key tiles)")  # fmt: skip
 
     rows = encoder.encode(image)  # compiles every kernel
     assert rows.shape == (merged, config.projection_dim) and np.isfinite(rows).all()
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "cmp_families_seconds": cmp_families, "cmp_seconds": cmp_seconds, "mark_seconds": MARK_SECONDS,
         "cmp_link_pixels_seconds": pixel_bytes / CMP_LINK_BYTES_PER_SECOND,
         "cmp_link_rows_seconds": row_bytes / CMP_LINK_BYTES_PER_SECOND,
-        "gemm_macs": gemm_macs, "attention_fmas": fmas,
+        "gemm_macs": gemm_macs, "attention_fmas": fmas, "attention_warps": attention.warps,
         "per_launch": [[family, launch_name, seconds] for (family, _), launch_name, seconds in
                        zip(launches, timings.names, attributed, strict=True)][:24],
     }  # fmt: skip

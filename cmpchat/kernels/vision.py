@@ -14,32 +14,47 @@ them, each a fusion of what `cmpchat/vision/encoder.py` (the numpy reference) do
 - `vision_rotary`: the fused q|k|v rows get their bias, q and k the 2-D rotation (half of each head's
   frequencies turn with the patch row, half with the column, a half-split rotation as `encoder._rotate`),
   q also the softmax scale hd^-1/2; in place, so attention reads q, k and v where the GEMM wrote them.
-- `vision_attention_*`: bidirectional softmax attention of every patch of one image over all of its patches,
-  one head per blockIdx.y: FlashAttention-style in fp32 FMAs (no tensor cores: docs/hardware.md), below.
+- `vision_attention_*`: bidirectional softmax attention of every patch of one image over all of its patches
+  (the encoder has no windows: one image is one segment), one head per blockIdx.y: FlashAttention-style in
+  fp32 FMAs (no tensor cores: docs/hardware.md), below.
 
 Quantisation is `quantize.py`'s (`quantize_word`, `block_amax`: the same bits as `quantize_activations`).
 Patch coordinates follow `encoder.patch_coordinates`: patches arrive in merge-group order, each 2x2 group of
 the grid four consecutive rows, frames one after another.
 
-Attention tiling (`AttentionTiling`; GPU values in brackets, hd = 72 in the released encoders):
-- A block is [16] query groups x 8 key groups of threads ([128]); it owns TQ x [16] = [64] queries of one
-  head and walks the image's keys in tiles of 8 x TK = 32 (TQ = TK = 4). Thread (qg, kg) owns queries
-  qg + QG*i (i < 4) and, of each key tile, keys kg + 8j (j < 4) for the scores and head dims kg + 8k
-  (k < hd/8) for the output: 16 scores and 4 x hd/8 [36] output accumulators in registers.
-- Shared memory (static, fp32): Q [64 x (hd + 4)], the key tile's K and V [2 x 32 x (hd + 4)] and its
-  weights P [64 x 36]: [48,128 bytes] at hd 72 (the launcher takes fewer query groups when a larger hd would
-  pass 48 KB). Row pitches are odd multiples of 4 words, so a quarter-warp's 16-byte loads of 8 distinct
-  rows hit 8 distinct bank quads.
-- Per key tile: stage K and V (every thread issues its 16-byte global loads before it stores any; keys past
-  the image are zeros), sync; scores: per 4 head dims 4 + 4 16-byte shared loads and 64 FMAs; online softmax
-  per query (the tile max over the 8 lanes of a query group by 3 shuffles; weights exp(s - max), 0 for keys
-  past the image; the running sums and accumulators rescaled when the max moves), weights to P, sync;
-  P V: per 4 keys 4 16-byte loads of P and per key hd/8 loads of V for 4 x hd/8 FMAs; sync.
-- Work: 2 x N^2 x hd FMAs per head; per SM and key tile ~2,300 FMAs a thread against ~460 shared loads, so
-  the FFMA pipe, not shared memory, sets the pace on sm_70 (64 FFMA lanes, 32 shared-memory banks an SM).
+Attention tiling (`AttentionTiling`; GPU values in brackets, hd = 72 in the released encoders). Issue 31: the
+kernel before this one (8 lanes each owning hd/8 = 9 output dims, scalar V loads) ran at 34.8% of the H200's
+FFMA peak; its P V step issued 40 shared loads per 144 FMAs.
+- A block is [4] warps of 4 query groups of 8 lanes ([128] threads); it owns 16 x [4] = [64] queries of one
+  head and walks the image's keys in tiles of 32. Thread (qg, lane) owns queries qg + QG*i (i < 4).
+  Scores: of each key tile, keys lane + 8j (j < 4): 16 scores. P V: lane = 4 x half + dim lane; the thread
+  sums the keys 8j + 4 x half + e (e, j < 4: its half of the tile) into its hd/4 [18] dims, 16-byte groups
+  4 x (dim lane + 4m) (m < hd/16) and, when hd/4 is not a multiple of 4, the pair hd - 8 + 2 x dim lane:
+  4 x 18 = [72] accumulators. The two halves' sums meet once, at the end (3 + hd/4 shuffles per query).
+- Per 4 dims of the scores: 4 + 4 16-byte loads (Q, K) for 64 FMAs; per 4 keys of P V: 4 loads of P and
+  4 x ([4] 16-byte + [1] 8-byte) of V for [288] FMAs. Shared loads per FMA: 0.125 and [0.083] (the kernel
+  before: 0.125 and 0.28). Bank quads per warp load (a wavefront serves 8 distinct ones): Q 4 rows, K 8 rows,
+  V 2 halves x 4 dim lanes, P 4 rows x 2 halves, each touching distinct quads (`attention_pitches`:
+  Q pitch hd [72] or hd + 4 when hd/4 is a multiple of 4, K|V hd + 4, P 40 words); at most 1 wavefront per
+  8 FMAs, under sm_70's 1 per 2 warp FFMAs (64 lanes, 128 bytes a cycle) and sm_90's 1 per 4.
+- Softmax: online, per query, with exp2: weights 2^(s log2 e - max log2 e) (the product exact in one FMA),
+  the tile max over the 8 lanes by 3 shuffles; keys past the image score -1e30 (weight 0); the running sums
+  and accumulators rescaled every tile (~10 instructions per score next to its 144 FMAs).
+- Pipeline (two barriers per tile, no third: each shared region's last readers are behind one of them): K
+  of tile t is stored from registers, V's 16-byte global loads issued, barrier; scores; V stored; softmax,
+  weights to P; the next tile's K loads issued, barrier; P V. So each load flies over a score or a P V
+  phase, in 18 registers ([4.5] 16-byte loads a thread), not 36.
+- Shared memory (static, fp32): Q [64 x 72], K|V [2 x 32 x 76], P [64 x 40]: [48,128 bytes] at hd 72, two
+  blocks an SM on sm_70's 96 KB (the launcher takes fewer warps when a larger hd would pass 48 KB).
+  Registers (ptxas, sm_70, launch bounds of 2 blocks of 128): [254], no spills: 8 warps an SM.
+- Work: 2 x N^2 x hd FMAs per head (`attention_fmas`); per thread and key tile 2,304 FMAs, 240 shared
+  loads, ~300 softmax and ~40 staging instructions: FMAs are ~80% of the instructions, which bounds the
+  share of the FFMA peak on sm_90 (an SM sub-partition issues one instruction and one warp FFMA a cycle);
+  sm_70 issues one instruction a cycle but a warp FFMA every second, so there the rest hides behind them.
   Query tiles are blockIdx.x: the blocks running together share a head, whose K and V (N x hd x 8 bytes,
-  2 MB at 3520 patches) stay in L2.
-The simulator runs one Python thread per CUDA thread: its tiling has 4 query groups (32 threads, 16 queries).
+  2 MB at 3520 patches) stay in L2. Grid: ceil(N / 64) x heads ([880] at 3520 patches: 3.3 waves of 264
+  blocks on the H200, 6.5 of 136 on the CMP; the last wave's idle SMs are the rest of the gap to the peak).
+The simulator runs one Python thread per CUDA thread: its tiling has 1 warp (4 query groups, 16 queries).
 """
 
 from __future__ import annotations
@@ -276,77 +291,144 @@ def vision_rotary(qkv, bias, inv_freq, grid_rows, grid_cols, merge, num_heads, q
 
 # --- attention ---------------------------------------------------------------------------------------------
 
-KEY_GROUPS = 8
+LANES = 8
+"""Threads of a query group: they share its queries; scores: 8 key lanes; P V: 2 key halves x 4 dim lanes."""
+DIM_LANES = 4
 THREAD_QUERIES = 4
 THREAD_KEYS = 4
-TILE_KEYS = KEY_GROUPS * THREAD_KEYS
+TILE_KEYS = LANES * THREAD_KEYS
+GROUPS_PER_WARP = WARP_SIZE // LANES
+_LOG2E = float32(math.log2(math.e))
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionTiling:
-    query_groups: int
-    """Thread rows of a block; it owns 4 x query_groups queries (threads: query_groups x 8)."""
+    warps: int
+    """Warps of a block; it owns 16 x warps queries (4 query groups of 8 threads a warp, 4 queries each)."""
 
     @property
     def threads(self) -> int:
-        return self.query_groups * KEY_GROUPS
+        return self.warps * WARP_SIZE
+
+    @property
+    def query_groups(self) -> int:
+        return self.warps * GROUPS_PER_WARP
 
     @property
     def tile_queries(self) -> int:
         return self.query_groups * THREAD_QUERIES
 
     def shared_bytes(self, head_dim: int) -> int:
-        pitch = head_dim + 4
-        return 4 * (self.tile_queries * pitch + 2 * TILE_KEYS * pitch + self.tile_queries * (TILE_KEYS + 4))
+        q_pitch, kv_pitch, p_pitch = attention_pitches(head_dim)
+        return 4 * (self.tile_queries * (q_pitch + p_pitch) + 2 * TILE_KEYS * kv_pitch)
 
 
-GPU_ATTENTION = AttentionTiling(query_groups=16)
-"""64 queries, 128 threads, two blocks an SM at hd 72 (48,128 bytes of shared memory each)."""
-SIMULATOR_ATTENTION = AttentionTiling(query_groups=4)
+def attention_pitches(head_dim: int) -> tuple[int, int, int]:
+    """Row pitches in words of Q, K|V and P in shared memory (see the module docstring for the bank reasoning):
+    4 consecutive Q rows and 8 consecutive K rows in distinct 16-byte bank quads, V rows 4 apart in the other
+    half of the quads, P rows 2 quads apart."""
+    quads = head_dim // 4  # even: head_dim is a multiple of 8
+    q_pitch = head_dim + (4 if quads % 4 == 0 else 0)
+    kv_pitch = head_dim + 4
+    return q_pitch, kv_pitch, TILE_KEYS + 8
+
+
+GPU_ATTENTION = AttentionTiling(warps=4)
+"""64 queries, 128 threads, two blocks an SM at hd 72 (48,128 bytes of shared memory each: 96 KB on sm_70)."""
+SIMULATOR_ATTENTION = AttentionTiling(warps=1)
 """16 queries, one warp: the same body, small enough for one Python thread per CUDA thread."""
 ATTENTION_SIGNATURE = "void(float32[::1], float32[:, ::1], int32)"
 
 
 @cache
-def attention_kernel(head_dim: int, query_groups: int) -> Any:
+def attention_kernel(head_dim: int, warps: int) -> Any:
     """The attention kernel for a head size and tiling (register arrays need constant sizes), defined and
     registered on first use."""
-    threads = query_groups * KEY_GROUPS
-    tile_queries = query_groups * THREAD_QUERIES
-    pitch = head_dim + 4  # an odd multiple of 4 words when hd is a multiple of 8
-    p_pitch = TILE_KEYS + 4
-    dims = head_dim // KEY_GROUPS  # output dims a thread owns
+    tiling = AttentionTiling(warps)
+    threads, query_groups, tile_queries = tiling.threads, tiling.query_groups, tiling.tile_queries
+    q_pitch, kv_pitch, p_pitch = attention_pitches(head_dim)
+    dims = head_dim // DIM_LANES  # output dims a thread owns: `quads` 16-byte groups and a pair
+    quads = dims // 4
+    pair = dims % 4 != 0  # dims = 4 * quads + 2 (head_dim a multiple of 8)
+    pair_column = 4 * DIM_LANES * quads
     vectors = head_dim // 4  # 16-byte groups of a head's row
-    q_size = tile_queries * pitch
-    kv_size = 2 * TILE_KEYS * pitch
+    q_size = tile_queries * q_pitch
+    kv_size = 2 * TILE_KEYS * kv_pitch
     p_size = tile_queries * p_pitch
-    q_loads, kv_loads = tile_queries * vectors, 2 * TILE_KEYS * vectors
+    q_loads, kv_loads = tile_queries * vectors, TILE_KEYS * vectors  # kv_loads: of K, or of V
     q_rounds, kv_rounds = -(-q_loads // threads), -(-kv_loads // threads)
-    fetched_size = 4 * max(q_rounds, kv_rounds)
+    fetched_size = 4 * kv_rounds
+    v_base = TILE_KEYS * kv_pitch
     scores_size = THREAD_QUERIES * THREAD_KEYS
     acc_size = THREAD_QUERIES * dims
+    operand_size = 4 * THREAD_QUERIES
+    unroll = 3 if (head_dim // 4) % 3 == 0 else 2  # score rounds of 4 dims per loop step (hd / 4 is even)
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_rows(qkv, fetched, first_key, offset, num_patches, row_stride, tid):
+        """This thread's 16-byte loads of TILE_KEYS rows (K or V) from key `first_key`; zeros past the image."""
+        for r in range(kv_rounds):
+            g = r * threads + tid
+            x0 = x1 = x2 = x3 = _ZERO
+            key = first_key + g // vectors
+            if g < kv_loads and key < num_patches:
+                x0, x1, x2, x3 = load_f32x4(qkv, key * row_stride + offset + 4 * (g % vectors))
+            fetched[4 * r], fetched[4 * r + 1], fetched[4 * r + 2], fetched[4 * r + 3] = x0, x1, x2, x3
+
+    @cuda.jit(device=True, inline=True)
+    def stage_rows(kv, fetched, base, tid):
+        """`fetch_rows`' values into the K (base 0) or V rows in shared memory."""
+        for r in range(kv_rounds):
+            g = r * threads + tid
+            if g < kv_loads:
+                store_shared_f32x4(kv, base + (g // vectors) * kv_pitch + 4 * (g % vectors), fetched[4 * r],
+                                   fetched[4 * r + 1], fetched[4 * r + 2], fetched[4 * r + 3])  # fmt: skip
+
+    @cuda.jit(device=True, inline=True)
+    def score_round(qs, kv, q_values, k_values, scores, q_row, k_row, d):
+        """scores[4 x 4] += this thread's queries x keys over dims d..d+3: 8 16-byte loads, 64 FMAs."""
+        for i in range(THREAD_QUERIES):
+            source = q_row + i * query_groups * q_pitch + d
+            q_values[4 * i], q_values[4 * i + 1], q_values[4 * i + 2], q_values[4 * i + 3] = load_shared_f32x4(
+                qs, source
+            )
+        for j in range(THREAD_KEYS):
+            source = k_row + j * LANES * kv_pitch + d
+            k_values[4 * j], k_values[4 * j + 1], k_values[4 * j + 2], k_values[4 * j + 3] = load_shared_f32x4(
+                kv, source
+            )
+        for i in range(THREAD_QUERIES):
+            for j in range(THREAD_KEYS):
+                s = scores[THREAD_KEYS * i + j]
+                for e in range(4):
+                    s = cuda.fma(q_values[4 * i + e], k_values[4 * j + e], s)
+                scores[THREAD_KEYS * i + j] = s
 
     def vision_attention(qkv, out, num_patches):
         q_tile, head = cuda.blockIdx.x, cuda.blockIdx.y
         tid = cuda.threadIdx.x
-        qg = tid // KEY_GROUPS
-        kg = tid % KEY_GROUPS  # the 8 lanes of a query group are neighbours: shuffles xor 1, 2, 4
+        qg = tid // LANES
+        lane = tid % LANES  # the 8 lanes of a query group are neighbours: shuffles xor 1, 2, 4
+        dim_lane = lane % DIM_LANES
+        half = lane // DIM_LANES  # P V: keys 8j + 4 * half + e of each tile
         width = out.shape[1]
         row_stride = 3 * width
         first_query = q_tile * tile_queries
         column = head * head_dim
+        q_row = qg * q_pitch  # this thread's first query row in Q, and first key row in K
+        k_row = lane * kv_pitch
 
         qs = cuda.shared.array(q_size, float32, alignment=SHARED_ALIGNMENT)
         kv = cuda.shared.array(kv_size, float32, alignment=SHARED_ALIGNMENT)  # K rows, then V rows
         ps = cuda.shared.array(p_size, float32, alignment=SHARED_ALIGNMENT)
-        fetched = cuda.local.array(fetched_size, float32)
+        fetched = cuda.local.array(fetched_size, float32)  # the next key tile, loaded while this one is used
         scores = cuda.local.array(scores_size, float32)
         acc = cuda.local.array(acc_size, float32)
         row_max = cuda.local.array(THREAD_QUERIES, float32)
         row_sum = cuda.local.array(THREAD_QUERIES, float32)  # this thread's share of the weights' sum
-        q_values = cuda.local.array(scores_size, float32)
-        k_values = cuda.local.array(scores_size, float32)
-        weights = cuda.local.array(scores_size, float32)
+        q_values = cuda.local.array(operand_size, float32)
+        k_values = cuda.local.array(operand_size, float32)
+        weights = cuda.local.array(operand_size, float32)
         values = cuda.local.array(dims, float32)
         for i in range(THREAD_QUERIES):
             row_max[i] = _NEG
@@ -354,133 +436,129 @@ def attention_kernel(head_dim: int, query_groups: int) -> Any:
         for e in range(acc_size):
             acc[e] = _ZERO
 
-        # Q tile: every load issued before any store; queries past the image are zeros.
+        # The first key tile's keys, then Q; past the image: zeros.
+        fetch_rows(qkv, fetched, 0, width + column, num_patches, row_stride, tid)
         for r in range(q_rounds):
             g = r * threads + tid
-            x0 = x1 = x2 = x3 = _ZERO
             if g < q_loads:
+                x0 = x1 = x2 = x3 = _ZERO
                 query = first_query + g // vectors
                 if query < num_patches:
                     x0, x1, x2, x3 = load_f32x4(qkv, query * row_stride + column + 4 * (g % vectors))
-            fetched[4 * r], fetched[4 * r + 1], fetched[4 * r + 2], fetched[4 * r + 3] = x0, x1, x2, x3
-        for r in range(q_rounds):
-            g = r * threads + tid
-            if g < q_loads:
-                store_shared_f32x4(qs, (g // vectors) * pitch + 4 * (g % vectors), fetched[4 * r],
-                                   fetched[4 * r + 1], fetched[4 * r + 2], fetched[4 * r + 3])  # fmt: skip
+                store_shared_f32x4(qs, (g // vectors) * q_pitch + 4 * (g % vectors), x0, x1, x2, x3)
 
         tile_start = 0
         while tile_start < num_patches:
-            cuda.syncthreads()  # the last tile's readers are done with kv and ps (and Q is staged)
-            for r in range(kv_rounds):
-                g = r * threads + tid
-                x0 = x1 = x2 = x3 = _ZERO
-                if g < kv_loads:
-                    staged_row = g // vectors  # K rows 0..31, V rows 32..63
-                    is_value = staged_row >= TILE_KEYS
-                    key = tile_start + staged_row - (TILE_KEYS if is_value else 0)
-                    if key < num_patches:
-                        offset = (2 if is_value else 1) * width + column + 4 * (g % vectors)
-                        x0, x1, x2, x3 = load_f32x4(qkv, key * row_stride + offset)
-                fetched[4 * r], fetched[4 * r + 1], fetched[4 * r + 2], fetched[4 * r + 3] = x0, x1, x2, x3
-            for r in range(kv_rounds):
-                g = r * threads + tid
-                if g < kv_loads:
-                    store_shared_f32x4(kv, (g // vectors) * pitch + 4 * (g % vectors), fetched[4 * r],
-                                       fetched[4 * r + 1], fetched[4 * r + 2], fetched[4 * r + 3])  # fmt: skip
-            cuda.syncthreads()
+            # K's last readers (the last tile's scores) passed the barrier before its P V
+            stage_rows(kv, fetched, 0, tid)  # this tile's K
+            fetch_rows(qkv, fetched, tile_start, 2 * width + column, num_patches, row_stride, tid)  # and V
+            cuda.syncthreads()  # K (and Q) staged; every thread is past the last tile's P V
 
-            # Scores of this thread's 4 queries x 4 keys (q carries hd^-1/2).
+            # Scores of this thread's 4 queries x keys lane + 8j (q carries hd^-1/2).
             for e in range(scores_size):
                 scores[e] = _ZERO
-            for d in range(0, head_dim, 4):
-                for i in range(THREAD_QUERIES):
-                    source = (qg + query_groups * i) * pitch + d
-                    q_values[4 * i], q_values[4 * i + 1], q_values[4 * i + 2], q_values[4 * i + 3] = load_shared_f32x4(
-                        qs, source
-                    )
-                for j in range(THREAD_KEYS):
-                    source = (kg + KEY_GROUPS * j) * pitch + d
-                    k_values[4 * j], k_values[4 * j + 1], k_values[4 * j + 2], k_values[4 * j + 3] = load_shared_f32x4(
-                        kv, source
-                    )
-                for i in range(THREAD_QUERIES):
-                    for j in range(THREAD_KEYS):
-                        s = scores[THREAD_KEYS * i + j]
-                        for e in range(4):
-                            s = cuda.fma(q_values[4 * i + e], k_values[4 * j + e], s)
-                        scores[THREAD_KEYS * i + j] = s
+            for d in range(0, head_dim, 4 * unroll):  # written out `unroll` times: constant shared offsets
+                score_round(qs, kv, q_values, k_values, scores, q_row, k_row, d)
+                score_round(qs, kv, q_values, k_values, scores, q_row, k_row, d + 4)
+                if unroll == 3:
+                    score_round(qs, kv, q_values, k_values, scores, q_row, k_row, d + 8)
 
-            # Online softmax per query; the weights go to P.
+            stage_rows(kv, fetched, v_base, tid)  # V's readers (the last tile's P V) are done
+
+            # Online softmax per query, on exp2; keys past the image score "none" and weigh 0.
+            keys_left = num_patches - tile_start
             for i in range(THREAD_QUERIES):
-                tile_max = _NEG  # over keys inside the image only
+                tile_max = _NEG
                 for j in range(THREAD_KEYS):
-                    if tile_start + kg + KEY_GROUPS * j < num_patches:
-                        tile_max = max(tile_max, scores[THREAD_KEYS * i + j])
+                    s = scores[THREAD_KEYS * i + j]
+                    if lane + LANES * j >= keys_left:
+                        s = _NEG
+                    scores[THREAD_KEYS * i + j] = s
+                    tile_max = max(tile_max, s)
                 tile_max = max(tile_max, shfl_xor_f32(tile_max, 1))  # every thread, uniformly
                 tile_max = max(tile_max, shfl_xor_f32(tile_max, 2))
                 tile_max = max(tile_max, shfl_xor_f32(tile_max, 4))
-                new_max = max(row_max[i], tile_max)
-                correction = float32(math.exp(row_max[i] - new_max))  # 0 before the first tile
+                new_max = max(row_max[i], tile_max)  # a key of the tile is in the image: finite
+                correction = float32(math.exp2((row_max[i] - new_max) * _LOG2E))  # 0 before the first tile
                 row_max[i] = new_max
+                shift = -new_max * _LOG2E  # exp(s - max) = 2^(s log2 e - max log2 e), the product exact in the FMA
                 total = _ZERO
+                p_row = (qg + query_groups * i) * p_pitch + lane
                 for j in range(THREAD_KEYS):
-                    weight = _ZERO
-                    if tile_start + kg + KEY_GROUPS * j < num_patches:
-                        weight = float32(math.exp(scores[THREAD_KEYS * i + j] - new_max))
-                    ps[(qg + query_groups * i) * p_pitch + kg + KEY_GROUPS * j] = weight
+                    weight = float32(math.exp2(cuda.fma(scores[THREAD_KEYS * i + j], _LOG2E, shift)))
+                    ps[p_row + LANES * j] = weight
                     total += weight
                 row_sum[i] = row_sum[i] * correction + total
                 for k in range(dims):
                     acc[dims * i + k] *= correction
+            next_start = tile_start + TILE_KEYS
+            fetch_rows(qkv, fetched, next_start, width + column, num_patches, row_stride, tid)  # the next K
             cuda.syncthreads()
 
-            # O += P V over the tile's keys (V rows past the image are zeros, their weights 0).
-            for k4 in range(0, TILE_KEYS, 4):
+            # O += P V: this thread's 4 queries x its dims, over the keys of its half (V rows past the image
+            # are zeros, their weights 0).
+            for j in range(THREAD_KEYS):
+                k4 = LANES * j + DIM_LANES * half
                 for i in range(THREAD_QUERIES):
                     source = (qg + query_groups * i) * p_pitch + k4
                     weights[4 * i], weights[4 * i + 1], weights[4 * i + 2], weights[4 * i + 3] = load_shared_f32x4(
                         ps, source
                     )
                 for e in range(4):
-                    # Unsigned: Numba tests every signed shared index for a negative wrap-around.
-                    value_row = uint64((TILE_KEYS + k4 + e) * pitch + kg)
-                    for k in range(dims):
-                        values[k] = kv[value_row + uint64(KEY_GROUPS * k)]
+                    value_row = (TILE_KEYS + k4 + e) * kv_pitch
+                    for m in range(quads):
+                        values[4 * m], values[4 * m + 1], values[4 * m + 2], values[4 * m + 3] = load_shared_f32x4(
+                            kv, value_row + 4 * (dim_lane + DIM_LANES * m)
+                        )
+                    if pair:
+                        # Unsigned: Numba tests every signed shared index for a negative wrap-around.
+                        value = uint64(value_row + pair_column + 2 * dim_lane)
+                        values[4 * quads] = kv[value]
+                        values[4 * quads + 1] = kv[value + uint64(1)]
                     for i in range(THREAD_QUERIES):
                         weight = weights[4 * i + e]
                         for k in range(dims):
                             acc[dims * i + k] = cuda.fma(weight, values[k], acc[dims * i + k])
-            tile_start += TILE_KEYS
+            tile_start = next_start
 
+        # The two key halves' sums meet (lanes xor 4); each half writes half of the dims.
         for i in range(THREAD_QUERIES):
             total = row_sum[i]
             total += shfl_xor_f32(total, 1)  # every thread, uniformly
             total += shfl_xor_f32(total, 2)
             total += shfl_xor_f32(total, 4)
+            for k in range(dims):
+                acc[dims * i + k] += shfl_xor_f32(acc[dims * i + k], DIM_LANES)
             query = first_query + qg + query_groups * i
             if query < num_patches:
                 inverse = _ONE / total
-                for k in range(dims):
-                    out[query, column + kg + KEY_GROUPS * k] = acc[dims * i + k] * inverse
+                for m in range(quads):
+                    if m % 2 == half:
+                        base = column + 4 * (dim_lane + DIM_LANES * m)
+                        for e in range(4):
+                            out[query, base + e] = acc[dims * i + 4 * m + e] * inverse
+                if pair and half == quads % 2:
+                    base = column + pair_column + 2 * dim_lane
+                    out[query, base] = acc[dims * i + 4 * quads] * inverse
+                    out[query, base + 1] = acc[dims * i + 4 * quads + 1] * inverse
 
-    name = f"vision_attention_d{head_dim}_q{query_groups}"
+    name = f"vision_attention_d{head_dim}_w{warps}"
     vision_attention.__name__ = vision_attention.__qualname__ = name
-    return kernel(ATTENTION_SIGNATURE, launch_bounds=(threads, 2))(vision_attention)
+    return kernel(ATTENTION_SIGNATURE, launch_bounds=(threads, max(1, 8 // warps)))(vision_attention)
 
 
 RELEASED_HEAD_DIM = 72
 """Qwen3.5's vision tower: width 1152, 16 heads."""
 if not SIMULATOR:  # registered now so the PTX and SASS checks see them; other shapes register on first use
-    attention_kernel(RELEASED_HEAD_DIM, GPU_ATTENTION.query_groups)
+    attention_kernel(RELEASED_HEAD_DIM, GPU_ATTENTION.warps)
 
 
 def attention_tiling_for(head_dim: int, preferred: AttentionTiling) -> AttentionTiling:
-    """`preferred`, or fewer query groups until the kernel's shared memory fits 48 KB."""
-    groups = preferred.query_groups
-    while groups > 1 and AttentionTiling(groups).shared_bytes(head_dim) > MAX_STATIC_SHARED:
-        groups //= 2
-    tiling = AttentionTiling(groups)
+    """`preferred`, or fewer warps until the kernel's shared memory fits 48 KB."""
+    warps = preferred.warps
+    while warps > 1 and AttentionTiling(warps).shared_bytes(head_dim) > MAX_STATIC_SHARED:
+        warps //= 2
+    tiling = AttentionTiling(warps)
     if tiling.shared_bytes(head_dim) > MAX_STATIC_SHARED:
         raise ValueError(f"head size {head_dim} needs more than 48 KB of shared memory for vision attention")
     return tiling
@@ -616,12 +694,12 @@ def attention_launch(qkv: Any, out: Any, num_heads: int, tiling: AttentionTiling
     as `vision_rotary` leaves it (q scaled, q and k rotated, biases in). C-contiguous, 16-byte aligned."""
     patches, columns = _rows(qkv, "qkv")
     width = columns // 3
-    if columns % 3 or width % num_heads or (width // num_heads) % KEY_GROUPS:
-        raise ValueError(f"qkv rows of {columns} are not q|k|v of {num_heads} heads of a multiple of {KEY_GROUPS}")
+    if columns % 3 or width % num_heads or (width // num_heads) % LANES:
+        raise ValueError(f"qkv rows of {columns} are not q|k|v of {num_heads} heads of a multiple of {LANES}")
     check_array(out, "out", np.float32, 2, (patches, width))
     head_dim = width // num_heads
     tiling = attention_tiling_for(head_dim, tiling)
     check_aligned(qkv, "qkv")
-    dispatcher = attention_kernel(head_dim, tiling.query_groups)
+    dispatcher = attention_kernel(head_dim, tiling.warps)
     grid = (-(-patches // tiling.tile_queries), num_heads)
     return Launch(dispatcher, grid, tiling.threads, (qkv.reshape(-1), out, np.int32(patches)))

@@ -79,6 +79,19 @@ def test_attention_at_the_released_head_size() -> None:
         np.testing.assert_allclose(got[:, columns], attention_reference(part, 1), rtol=0, atol=2e-5)
 
 
+def test_attention_with_partial_tiles() -> None:
+    """1,001 patches (15 query tiles of 64 and 41, 31 key tiles of 32 and 9) of 3 heads of 72."""
+    rng = np.random.default_rng(3)
+    patches, heads, head_dim = 1001, 3, 72
+    width = heads * head_dim
+    qkv = rng.standard_normal((patches, 3 * width)).astype(np.float32)
+    qkv[:, :width] *= np.float32(head_dim**-0.5)
+    qkv[:, width : 2 * width] *= 2
+    out = device(np.full((patches, width), np.nan, np.float32))
+    attention_launch(device(qkv), out, heads, GPU_ATTENTION).run()
+    np.testing.assert_allclose(out.copy_to_host(), attention_reference(qkv, heads), rtol=0, atol=2e-5)
+
+
 def test_row_kernels_at_the_released_sizes() -> None:
     rng = np.random.default_rng(1)
     config = RELEASED_9B

@@ -18,6 +18,7 @@ from cmpchat.kernels.vision import (
     add_bias_launch,
     add_positions_launch,
     attention_launch,
+    attention_pitches,
     attention_tiling_for,
     bias_act_quantize_launch,
     layer_norm_quantize_launch,
@@ -158,29 +159,63 @@ def attention_reference(qkv: np.ndarray, heads: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "patches,heads,head_dim",
+    "patches,heads,head_dim,tiling,scale",
     [
-        (48, 2, 32),  # 3 query tiles x 2 key tiles, the last half outside the image
-        (37, 1, 72),  # the released head size: 9 dims a thread, tails in both
-        (5, 2, 16),  # fewer patches than a tile
+        (48, 2, 32, SIMULATOR_ATTENTION, 1.5),  # 3 query tiles x 2 key tiles, the last half outside the image
+        (37, 1, 72, SIMULATOR_ATTENTION, 1.5),  # the released head size: 18 dims a thread, 4 x 4 and a pair
+        (5, 2, 16, SIMULATOR_ATTENTION, 1.5),  # fewer patches than a tile
+        (40, 3, 40, SIMULATOR_ATTENTION, 1.5),  # 2 x 4 dims and a pair a thread; keys 32 + 8
+        # At scale 1.5 the draws of these two reach scores of ~60, where fp32 rounding alone passes 2e-5 (at 67
+        # patches: this kernel 2.7e-5, the one before it 2.9e-5); at 1.2 they are within 1e-5.
+        (70, 2, 72, AttentionTiling(2), 1.2),  # 2 warps: query tiles of 32 (32 + 32 + 6), key tiles 32 + 32 + 6
+        (67, 1, 72, GPU_ATTENTION, 1.2),  # the GPU's block of 4 warps (64 queries: 64 + 3), keys 32 + 32 + 3
     ],
 )
-def test_attention_over_every_patch(patches: int, heads: int, head_dim: int) -> None:
+def test_attention_over_every_patch(
+    patches: int, heads: int, head_dim: int, tiling: AttentionTiling, scale: float
+) -> None:
     rng = np.random.default_rng(patches)
     width = heads * head_dim
-    qkv = (rng.standard_normal((patches, 3 * width)) * 1.5).astype(np.float32)
+    qkv = (rng.standard_normal((patches, 3 * width)) * scale).astype(np.float32)
     out = np.full((patches, width), np.nan, np.float32)
-    attention_launch(qkv, out, heads, SIMULATOR_ATTENTION).run()
+    attention_launch(qkv, out, heads, tiling).run()
     # scores reach ~40 here: fp32 carries ~5e-6 of error into the weights
     np.testing.assert_allclose(out, attention_reference(qkv, heads), rtol=0, atol=2e-5)
 
 
+def test_attention_of_queries_whose_scores_are_all_far_below_zero() -> None:
+    """A query whose every score is very negative (and keys past the image, which score 0 if unmasked): the
+    running max starts at the first tile's, not at 0, so the weights do not all underflow."""
+    rng = np.random.default_rng(7)
+    patches, head_dim = 21, 16
+    qkv = rng.standard_normal((patches, 3 * head_dim)).astype(np.float32)
+    qkv[:, head_dim : 2 * head_dim] = np.abs(qkv[:, head_dim : 2 * head_dim]) + 1
+    qkv[:, :head_dim] = -np.abs(qkv[:, :head_dim]) * 20 - 20  # q . k < -300 for every key
+    out = np.zeros((patches, head_dim), np.float32)
+    attention_launch(qkv, out, 1, SIMULATOR_ATTENTION).run()
+    assert np.isfinite(out).all()
+    # scores near -400: an fp32 ulp there is 3e-5 of a weight (the kernel before this one: 4.8e-5 too)
+    np.testing.assert_allclose(out, attention_reference(qkv, 1), rtol=0, atol=1e-4)
+
+
 def test_attention_tiling_fits_static_shared_memory() -> None:
     assert GPU_ATTENTION.shared_bytes(72) == 48_128 and attention_tiling_for(72, GPU_ATTENTION) == GPU_ATTENTION
-    assert attention_tiling_for(96, GPU_ATTENTION) == AttentionTiling(8)
-    assert attention_tiling_for(128, GPU_ATTENTION) == AttentionTiling(4)
+    assert GPU_ATTENTION.threads == 128 and GPU_ATTENTION.tile_queries == 64
+    assert attention_tiling_for(96, GPU_ATTENTION) == AttentionTiling(2)
+    assert attention_tiling_for(128, GPU_ATTENTION) == AttentionTiling(1)
     with pytest.raises(ValueError, match="48 KB"):
         attention_tiling_for(1024, GPU_ATTENTION)
+
+
+def test_attention_shared_rows_avoid_bank_conflicts() -> None:
+    """The pitches the kernel's docstring reasons about: a warp's 16-byte loads of Q (4 rows), K (8 rows), V (the
+    two key halves 4 rows apart, 4 dim lanes each) and P (4 rows x 2 halves) each touch distinct bank quads."""
+    for head_dim in (16, 32, 40, 64, 72, 80, 96, 128):
+        q_pitch, kv_pitch, p_pitch = attention_pitches(head_dim)
+        assert len({(r * q_pitch // 4) % 8 for r in range(4)}) == 4, head_dim
+        assert len({(r * kv_pitch // 4) % 8 for r in range(8)}) == 8, head_dim
+        assert len({(h * 4 * kv_pitch // 4 + lane) % 8 for h in range(2) for lane in range(4)}) == 8, head_dim
+        assert len({(r * p_pitch // 4 + h) % 8 for r in range(4) for h in range(2)}) == 8, head_dim
 
 
 def test_launchers_reject_bad_arguments() -> None:
