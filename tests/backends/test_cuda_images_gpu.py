@@ -1,7 +1,6 @@
 """Image rows on the CUDA backend on a real GPU: the oracle model with the released head sizes (and M-RoPE
 sections), as wide as the vision fixture's projector (32), reading a prompt whose image straddles the end of a
-long-prompt step, against the reference backend in GPU-mirroring mode (the tolerance of
-test_cuda_backend_gpu.py's oracle comparison: 1e-3 of the logits' range); two pipeline stages against one, bit
+long-prompt step, against the reference backend in GPU-mirroring mode (within `MIRROR_TOLERANCE`); two pipeline stages against one, bit
 for bit (the rows enter the first stage only); and `open_model` on cuda encoding on the GPU with the encoder
 reserved in the first stage's plan."""
 
@@ -28,6 +27,11 @@ from tests.vision.vision_fixtures import MMPROJ_F32
 pytestmark = pytest.mark.gpu
 
 ORACLE = Path(__file__).parent.parent / "fixtures" / "oracle" / "real_heads.q8_0.gguf"
+MIRROR_TOLERANCE = 2e-2
+"""Of the logits' range. This random model turns a quant on the other side of a rounding tie into logits up to 7e-3
+apart: on the reference itself, image rows perturbed by 1e-6 of their size moved the prompt's logits by up to 6.9e-3
+and the decode step's by 5.3e-3 (CPU, 2026-12-03), and the H200 measured 1.3e-5 and 7.2e-3. A misplaced image
+is far outside: its rows one token late move them by 9.8e-2 and 5.6e-2, reversed by 1.3e-1 and 9.4e-2."""
 BUDGET = PixelBudget(65_536, 131_072)
 """Holds a 384 x 320 picture as it is: 12 x 10 merged tokens."""
 
@@ -40,10 +44,8 @@ def image_prompt(vocab: int) -> tuple[list[int], PromptImages]:
     """200 text tokens, a 120-token image (tokens 200 .. 320: cut by the first long-prompt step's end), 10
     more; the numpy encoder's rows.
 
-    Kept short of a second long step: on this random model, longer random prompts differ from the mirroring
-    reference by up to 9e-3 of the logits' range with or without an image (measured on an H200, 2026-12-03,
-    text alone: 8.8e-3 at 272 tokens, 7.2e-3 at 300, 2.1e-3 and 1.7e-5 at 420 by the draw), a quant the other
-    side of a rounding tie amplified by the random weights; this prompt: 1.3e-5."""
+    Text alone on this model differs from the mirroring reference by as much (H200, 2026-12-03: 8.8e-3 at 272
+    tokens, 7.2e-3 at 300, 2.1e-3 and 1.7e-5 at 420 by the draw): see `MIRROR_TOLERANCE`."""
     projector = open_projector(MMPROJ_F32, text_width=32)
     prepared = prepare_image(picture(0), projector.config.patch_settings, BUDGET)
     image = EncodedImage(b"picture", prepared.grid, encode_image(projector, prepared))
@@ -75,7 +77,7 @@ def test_an_image_across_a_long_prompt_step_and_its_tail_matches_the_mirroring_r
     for row, want in zip(got, expected, strict=True):
         error = np.abs(row - want).max() / np.abs(want).max()
         print(f"image prompt vs the mirroring reference: {error:.2e}")
-        assert error <= 1e-3 and row.argmax() == want.argmax()
+        assert error <= MIRROR_TOLERANCE
 
 
 def test_two_stages_read_an_image_as_one_stage_does_bit_for_bit():
