@@ -44,7 +44,8 @@ def test_the_driver_parameter_table_confirms_the_packing_offsets_included():
     position = cuda.to_device(np.zeros(1, np.int32))
     launch = mixed_launch_for_table(source, target, position)
     raw = RawLaunch(launch)
-    bound = next(b for b in raw_launch._BOUND.values() if b.name == raw.kernel_name)
+    # By the function, not the name: a kernel Numba loads from its disk cache has no Python name to match.
+    bound = next(b for b in raw_launch._BOUND.values() if b.function is raw._function)
     assert bound.param_table is not None, "cuFuncGetParamInfo unavailable: layouts go unchecked"
     argtypes = [k.mixed_arguments.typeof_pyval(value) for value in launch.args]
     packed = pack_params(kernel_params(argtypes, launch.args))
