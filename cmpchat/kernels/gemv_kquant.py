@@ -170,7 +170,7 @@ def chunk_blocks(tokens: int) -> int:
 
 
 @cuda.jit(device=True, inline=True)
-def _signed_byte(value):
+def signed_byte(value):
     return int32(value) - ((int32(value) & 0x80) << 1)
 
 
@@ -210,8 +210,8 @@ def _make_gemv_kquant(fmt: KQuantFormat, tokens_max: int) -> Any:
                 d = float32(scales[group])
                 packed = int32(sub_scales[b])
                 if split_scale:
-                    s0 = d * float32(_signed_byte(packed & 0xFF))
-                    s1 = d * float32(_signed_byte(packed >> 8))
+                    s0 = d * float32(signed_byte(packed & 0xFF))
+                    s1 = d * float32(signed_byte(packed >> 8))
                 else:
                     s0 = d * float32(packed & 0xFF)
                     m = -(float32(scales[group + uint64(1)]) * float32(packed >> 8))

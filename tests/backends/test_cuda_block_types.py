@@ -1,6 +1,7 @@
 """The CUDA backend refuses, in one line and before it touches a GPU, a file it cannot run: here llama.cpp's
-Q4_K_M mix, whose matmuls it runs but whose Q4_K token embedding its lookup does not read (the CPU backend
-reads it); Q8_0 / float files pass. test_kquant_weights.py has the other refusals."""
+model stored as F32, whose float token embedding its lookup does not read (the CPU backend reads it); Q8_0 files
+and the Q4_K_M mix as llama.cpp writes it (a Q4_K embedding) pass. test_kquant_weights.py has the other
+refusals."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from tests.conftest import WIDE_SHAPE, add_byte_vocabulary
 
 
 @pytest.fixture(scope="module")
-def q4_k_m_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("q4_k_m") / "tiny-q4_k_m.gguf"
-    build_model(path, WIDE_SHAPE, add_tokenizer=add_byte_vocabulary, chat_template=None, mix="Q4_K_M")
+def float_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("f32") / "tiny-f32.gguf"
+    build_model(path, WIDE_SHAPE, add_tokenizer=add_byte_vocabulary, chat_template=None, as_f32=True)
     return path
 
 
@@ -40,24 +41,26 @@ def one_line(caught: pytest.ExceptionInfo[CmpchatError]) -> str:
     return message
 
 
-def test_refused_before_any_device_call_naming_the_tensor_and_its_type(q4_k_m_path, no_gpu_calls):
-    model_file = ModelFile(q4_k_m_path)
+def test_refused_before_any_device_call_naming_the_tensor_and_its_type(float_path, no_gpu_calls):
+    model_file = ModelFile(float_path)
     with pytest.raises(CmpchatError) as caught:
         CudaBackend(model_file)
     message = one_line(caught)
-    embedding = model_file.tensor_info("token_embd.weight")
-    assert f"'token_embd.weight' is {embedding.type_name}" in message and embedding.type_name != "Q8_0"
+    assert "'token_embd.weight' is F32" in message
     assert "--backend cpu" in message
     with pytest.raises(CmpchatError) as planned:
         CudaBackend.memory_plans(model_file, ModelConfig.from_model_file(model_file))
     assert one_line(planned) == message
 
 
-def test_open_model_on_cuda_refuses_it_too(q4_k_m_path, no_gpu_calls):
+def test_open_model_on_cuda_refuses_it_too(float_path, no_gpu_calls):
     with pytest.raises(CmpchatError, match="--backend cpu"):
-        open_model(q4_k_m_path, backend="cuda")
+        open_model(float_path, backend="cuda")
 
 
-def test_q8_0_and_float_files_pass(tiny_model_path):
-    model_file = ModelFile(tiny_model_path)
-    check_gpu_types(model_file, ModelConfig.from_model_file(model_file))
+def test_q8_0_and_q4_k_m_files_pass(tiny_model_path, tmp_path):
+    q4_k_m = tmp_path / "tiny-q4_k_m.gguf"
+    build_model(q4_k_m, WIDE_SHAPE, add_tokenizer=add_byte_vocabulary, chat_template=None, mix="Q4_K_M")
+    for path in (tiny_model_path, q4_k_m):
+        model_file = ModelFile(path)
+        check_gpu_types(model_file, ModelConfig.from_model_file(model_file))

@@ -30,10 +30,12 @@ PAGE = 128
 TOKENS = [72, 33]
 
 
-def q4_k_m_with_q8_0_embedding() -> dict[str, T]:
-    """llama.cpp's Q4_K_M mix on the wide tiny model (Q4_K, Q5_0 fallbacks, Q6_K for the head, some attn_v /
-    GDN qkv / ffn_down: mixed fused groups), with a Q8_0 embedding, the type the lookup reads."""
-    return {**matrix_types(WIDE_SHAPE, "Q4_K_M"), "token_embd.weight": T.Q8_0}
+def q4_k_m() -> dict[str, T]:
+    """llama.cpp's Q4_K_M mix on the wide tiny model (a Q4_K embedding, Q5_0 fallbacks, Q6_K for the head, some
+    attn_v / GDN qkv / ffn_down: mixed fused groups)."""
+    types = dict(matrix_types(WIDE_SHAPE, "Q4_K_M"))
+    assert types["token_embd.weight"] == T.Q4_K
+    return types
 
 
 def build(path: Path, mix: dict[str, T]) -> ModelFile:
@@ -43,7 +45,7 @@ def build(path: Path, mix: dict[str, T]) -> ModelFile:
 
 @pytest.fixture(scope="module")
 def mixed_file(tmp_path_factory: pytest.TempPathFactory) -> ModelFile:
-    return build(tmp_path_factory.mktemp("q4_k_m") / "q4_k_m.gguf", q4_k_m_with_q8_0_embedding())
+    return build(tmp_path_factory.mktemp("q4_k_m") / "q4_k_m.gguf", q4_k_m())
 
 
 def refusal(model_file: ModelFile) -> str:
@@ -56,11 +58,9 @@ def refusal(model_file: ModelFile) -> str:
 
 def test_the_mix_passes_and_unsupported_types_are_refused_naming_the_tensor(mixed_file, tmp_path) -> None:
     check_gpu_types(mixed_file, ModelConfig.from_model_file(mixed_file))
-    iq = build(tmp_path / "iq.gguf", {**q4_k_m_with_q8_0_embedding(), "blk.1.ffn_up.weight": T.IQ4_XS})
+    iq = build(tmp_path / "iq.gguf", {**q4_k_m(), "blk.1.ffn_up.weight": T.IQ4_XS})
     assert "tensor 'blk.1.ffn_up.weight' is IQ4_XS" in refusal(iq)
-    embedding = build(tmp_path / "embedding.gguf", {**q4_k_m_with_q8_0_embedding(), "token_embd.weight": T.Q6_K})
-    assert "'token_embd.weight' is Q6_K" in refusal(embedding)
-    swiglu = build(tmp_path / "swiglu.gguf", {**q4_k_m_with_q8_0_embedding(), "blk.1.ffn_up.weight": T.Q6_K})
+    swiglu = build(tmp_path / "swiglu.gguf", {**q4_k_m(), "blk.1.ffn_up.weight": T.Q6_K})
     assert "blk.1.ffn_gate.weight is Q4_K but blk.1.ffn_up.weight is Q6_K" in refusal(swiglu)
 
 

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from gguf import GGMLQuantizationType
 
 from cmpchat.cli import main
-from cmpchat.model.builder import build_model
+from cmpchat.model.builder import build_model, matrix_types
 from tests.conftest import WIDE_SHAPE, add_byte_vocabulary
 
 
@@ -88,12 +89,18 @@ def test_demo_model_is_built_once_and_runs(capsys):
     assert "writing the demo model" not in capsys.readouterr().err
 
 
-def test_info_prints_the_type_mix_and_why_cuda_refuses_the_file(tmp_path, capsys):
+def test_info_prints_the_type_mix_and_why_cuda_refuses_a_file(tmp_path, capsys):
     path = tmp_path / "q4_k_m.gguf"
     build_model(path, WIDE_SHAPE, add_tokenizer=add_byte_vocabulary, chat_template=None, mix="Q4_K_M")
     assert main(["info", str(path)]) == 0
     lines = {line[:13].strip(): line[14:] for line in capsys.readouterr().out.splitlines()}
     assert lines["tensors"].startswith("53: Q4_K x")
     assert "Q6_K x" in lines["tensors"] and "Q5_0 x" in lines["tensors"] and "F32 x21" in lines["tensors"]
+    assert "backends" not in lines  # both backends read it
+    iq = tmp_path / "iq.gguf"
+    mix = {**matrix_types(WIDE_SHAPE, "Q4_K_M"), "blk.1.ffn_down.weight": GGMLQuantizationType.IQ4_XS}
+    build_model(iq, WIDE_SHAPE, add_tokenizer=add_byte_vocabulary, chat_template=None, mix=mix)
+    assert main(["info", str(iq)]) == 0
+    lines = {line[:13].strip(): line[14:] for line in capsys.readouterr().out.splitlines()}
     assert lines["backends"].startswith("cpu reads every tensor; cuda refuses the file: ")
-    assert "'token_embd.weight' is Q4_K" in lines["backends"]  # the lookup reads Q8_0; the matmuls run the rest
+    assert "'blk.1.ffn_down.weight' is IQ4_XS" in lines["backends"]

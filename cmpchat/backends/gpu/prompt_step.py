@@ -34,12 +34,11 @@ from cmpchat.backends.base import ImageRows
 from cmpchat.backends.gpu.buffers import columns, mark_placed, place_image_rows, zeros
 from cmpchat.backends.gpu.kv_layout import KvPages
 from cmpchat.backends.gpu.states import RecurrentStates
-from cmpchat.backends.gpu.step import MatmulInputs
+from cmpchat.backends.gpu.step import MatmulInputs, embed_launch
 from cmpchat.backends.gpu.weights import AttentionWeights, RecurrentWeights, StageWeights
 from cmpchat.cudart.launch import Launch
 from cmpchat.kernels.attention_prefill import PrefillAttentionConfig, partial_buffer_shapes, prefill_attention
 from cmpchat.kernels.device_table import DeviceTuning
-from cmpchat.kernels.elementwise import embed_q8_0
 from cmpchat.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.kernels.gated_deltanet_chunked import (
     DEFAULT_CHUNK,
@@ -274,7 +273,7 @@ def prompt_launches(
 
     launches = []
     if weights.embedding is not None:
-        launches.append(embed_q8_0(b.tokens, weights.embedding.quants, weights.embedding.scales, hidden))
+        launches.append(embed_launch(weights.embedding, b.tokens, hidden))
     for index, layer in weights.layers.items():
         mixer = layer.mixer
         if isinstance(mixer, AttentionWeights):

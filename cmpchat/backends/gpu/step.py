@@ -33,6 +33,7 @@ from cmpchat.cudart.launch import Launch
 from cmpchat.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
 from cmpchat.kernels.device_table import DeviceTuning
 from cmpchat.kernels.elementwise import embed_q8_0
+from cmpchat.kernels.embed_kquant import embed_kquant
 from cmpchat.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.kernels.gated_deltanet import decode_step as gdn_decode_step
 from cmpchat.kernels.gemm import gemm_q8_launch, matmul_kind
@@ -248,7 +249,7 @@ def decode_launches(
     hidden = b.hidden[:rows]
     launches = []
     if weights.embedding is not None:
-        launches.append(embed_q8_0(b.tokens[:rows], weights.embedding.quants, weights.embedding.scales, hidden))
+        launches.append(embed_launch(weights.embedding, b.tokens[:rows], hidden))
     gdn_shape = GatedDeltaNetShape.from_config(config)
     inputs = MatmulInputs(b, rows, config.rms_eps, sm_count, tuning)
     for index, layer in weights.layers.items():
@@ -353,6 +354,14 @@ class MatmulInputs:
         if self.fused(matrix):
             return [self.fused_launch(matrix, activations, hidden, "accumulate")]
         return _project_into(matrix, activations, self.b, self.rows, hidden, self.tuning)
+
+
+def embed_launch(embedding: DeviceMatrix, tokens: Any, hidden: Any) -> Launch:
+    """hidden[t] = the embedding's row tokens[t] (Q8_0 or a 4/5/6-bit type: `check_gpu_types`)."""
+    if embedding.kquant is not None:
+        assert embedding.tensor_type is not None
+        return embed_kquant(embedding.tensor_type, tokens, embedding.kquant, hidden)
+    return embed_q8_0(tokens, embedding.quants, embedding.scales, hidden)
 
 
 def _matmul(matrix: DeviceMatrix, b: Any, rows: int, out: Any, mode: str, tuning: DeviceTuning) -> list[Launch]:

@@ -182,9 +182,9 @@ GPU_TYPES = (
 
 def check_gpu_types(model_file: ModelFile, config: ModelConfig) -> None:
     """Refuse, in one line and before anything touches a GPU, a file with a tensor the CUDA backend cannot run
-    (IQ types, TQ, MXFP4, ...), a 4/5/6-bit token embedding (the embedding lookup reads Q8_0), or a layer whose
-    ffn_gate and ffn_up differ in type (the SwiGLU GEMV reads both rows with one kernel). MTP blocks, which are
-    never loaded, are not looked at."""
+    (IQ types, TQ, MXFP4, ...), a float token embedding (the embedding lookup reads Q8_0 and the 4/5/6-bit
+    types), or a layer whose ffn_gate and ffn_up differ in type (the SwiGLU GEMV reads both rows with one
+    kernel). MTP blocks, which are never loaded, are not looked at."""
     layers = range(config.num_layers)
     others = [
         info
@@ -199,10 +199,10 @@ def check_gpu_types(model_file: ModelFile, config: ModelConfig) -> None:
             f"not run (it runs {', '.join(t.name for t in GPU_TYPES)}); the CPU backend reads it: --backend cpu"
         )
     embedding = model_file.tensor_info("token_embd.weight")
-    if embedding.type != GGMLQuantizationType.Q8_0:
+    if embedding.type != GGMLQuantizationType.Q8_0 and embedding.type not in KQUANT_TYPES:
         raise CmpchatError(
             f"{model_file.path.name}: tensor 'token_embd.weight' is {embedding.type_name}; the CUDA backend's "
-            "embedding lookup reads Q8_0 only so far; the CPU backend reads it: --backend cpu"
+            "embedding lookup reads Q8_0 and the 4/5/6-bit types; the CPU backend reads it: --backend cpu"
         )
     for i in layers:
         gate, up = (model_file.tensor_info(f"blk.{i}.ffn_{part}.weight") for part in ("gate", "up"))
