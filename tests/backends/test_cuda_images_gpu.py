@@ -1,8 +1,8 @@
 """Image rows on the CUDA backend on a real GPU: the oracle model with the released head sizes (and M-RoPE
 sections), as wide as the vision fixture's projector (32), reading a prompt whose image straddles the end of a
-long-prompt step, against the reference backend in GPU-mirroring mode (within `MIRROR_TOLERANCE`); two pipeline stages against one, bit
-for bit (the rows enter the first stage only); and `open_model` on cuda encoding on the GPU with the encoder
-reserved in the first stage's plan."""
+long-prompt step, against the reference backend in GPU-mirroring mode (within `MIRROR_TOLERANCE`); two
+pipeline stages against one, bit for bit (the rows enter the first stage only); and `open_model` on cuda
+encoding on the GPU with the encoder reserved in the first stage's plan."""
 
 from __future__ import annotations
 
