@@ -2,11 +2,12 @@
 prompt tok/s by prompt length; both beside llama.cpp on the same file when given its llama-bench.
 
     cmpchat bench decode 9B 27B --llama-bench ./run-llama-bench.sh
+    cmpchat bench decode 9B --mix Q8_0 Q4_K_M
     cmpchat bench prefill 9B --tokens 297 1160 4620
 
-A MODEL is a released size (0.8B, 2B, 4B, 9B, 27B: a file with those exact tensor shapes, random Q8_0
-weights and the real tokenizer is built once in the cache folder, and llama.cpp can load it too) or a path
-to a GGUF file.
+A MODEL is a released size (0.8B, 2B, 4B, 9B, 27B: a file with those exact tensor shapes, random weights in
+each `--mix` (Q8_0, or llama.cpp's Q4_K_M / Q5_K_M type mix) and the real tokenizer is built once in the cache
+folder, and llama.cpp can load it too) or a path to a GGUF file.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from cmpchat.commands.model_args import gpu_memory, int_list
 from cmpchat.commands.progress import StderrProgress
 from cmpchat.cudart.target import add_profile_option, apply_profile_option
 from cmpchat.errors import CmpchatError
+from cmpchat.model.builder import MIXES
 from cmpchat.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     decode.add_argument("--batches", type=int, nargs="*", default=[4, 16], metavar="B",
                         help="batched runs (aggregate tok/s) at the first context")  # fmt: skip
     decode.add_argument("--tokens", type=int, default=128, help="timed steps per run (default 128)")
+    _add_mix_option(decode)
     decode.add_argument("--folder", type=Path, help="where benchmark files are built (default: the cache folder)")
     decode.add_argument("--structured", action="store_true",
                         help="add a batch-1 run at the first context whose reply follows a JSON schema "
@@ -57,6 +60,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prefill.add_argument("--tokens", type=int, nargs="+", default=[297, 1160, 4620, 18440, 65536], metavar="N",
                          help="prompt lengths (default 297 1160 4620 18440 65536)")  # fmt: skip
     prefill.add_argument("--folder", type=Path, help="where benchmark files are built (default: the cache folder)")
+    _add_mix_option(prefill)
     prefill.add_argument("--llama-bench", type=Path, metavar="PATH", help="llama.cpp's llama-bench, to compare")
     prefill.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     prefill.add_argument("--gpus", metavar="LIST", help="pipeline stages' GPUs, e.g. 0,0,0 (three stages on GPU 0): "
@@ -64,6 +68,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     prefill.add_argument("--gpu-mem", metavar="SIZE", help="memory per stage, e.g. 16G (emulates smaller cards)")
     add_profile_option(prefill)
     prefill.set_defaults(handler=run_prefill_bench)
+
+
+def _add_mix_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mix", nargs="+", choices=list(MIXES), default=["Q8_0"], metavar="MIX",
+                        help=f"weight types of the files built for released sizes: {', '.join(MIXES)} "
+                        "(llama.cpp's type mixes; default Q8_0); each size runs in each mix")  # fmt: skip
+
+
+def bench_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(model, mix) of every run: each released size in each mix, a path once."""
+    return [(name, mix) for name in args.models for mix in (args.mix if name in BENCH_SHAPES else ["Q8_0"])]
 
 
 def _require_gpu() -> None:
@@ -79,13 +94,13 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     if any(n < 1 for n in args.tokens):
         raise CmpchatError("prompt lengths must be >= 1")
     folder = args.folder or cache_dir() / "bench"
-    results = [_prefill_one(name, folder, args) for name in args.models]
+    results = [_prefill_one(name, mix, folder, args) for name, mix in bench_runs(args)]
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 
-def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
+def _prefill_one(name: str, mix: str, folder: Path, args: argparse.Namespace) -> dict:
     from cmpchat.backends.gpu.model import CudaBackend, CudaSequence
     from cmpchat.bench.llama_cpp import prompt_command, run_llama_bench
     from cmpchat.bench.prefill import PrefillRates, run_prefill
@@ -96,7 +111,7 @@ def _prefill_one(name: str, folder: Path, args: argparse.Namespace) -> dict:
 
     progress = StderrProgress()
     try:
-        path = bench_model_path(name, folder, progress)
+        path = bench_model_path(name, folder, progress, mix=mix)
         _say(f"{path.name}: measuring streaming-read bandwidth and the dp4a rate")
         rates = PrefillRates(streaming_read_bandwidth(), compute_rate(DP4A_PROBE) / OPS_PER_DP4A)
         backend = CudaBackend(ModelFile(path), context=max(args.tokens) + 64, progress=progress,
@@ -137,7 +152,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     if any(c < 0 for c in args.contexts) or args.tokens < 1 or any(not 1 <= b <= 16 for b in args.batches):
         raise CmpchatError("contexts must be >= 0, --tokens >= 1 and batches 1..16")
     folder = args.folder or cache_dir() / "bench"
-    reports = [_bench_one(name, folder, args) for name in args.models]
+    reports = [_bench_one(name, mix, folder, args) for name, mix in bench_runs(args)]
     if args.json:
         from cmpchat.bench.report import decode_json
 
@@ -145,7 +160,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeReport:
+def _bench_one(name: str, mix: str, folder: Path, args: argparse.Namespace) -> DecodeReport:
     from cmpchat.backends.gpu.model import CudaBackend
     from cmpchat.bench.decode import WARMUP_STEPS, run_decode
     from cmpchat.bench.limits import weight_bytes_per_step
@@ -159,7 +174,7 @@ def _bench_one(name: str, folder: Path, args: argparse.Namespace) -> DecodeRepor
 
     progress = StderrProgress()
     try:
-        path = bench_model_path(name, folder, progress)
+        path = bench_model_path(name, folder, progress, mix=mix)
     finally:
         progress.close()
     model_file = ModelFile(path)

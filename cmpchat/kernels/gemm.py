@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
 from numba import cuda, float32, int32, uint32, uint64
 
 from cmpchat.cudart.compile import kernel
@@ -62,6 +63,15 @@ from cmpchat.kernels.gemv import (
     MODE_SWIGLU,
     check_q8_matmul,
     silu_f32,
+)
+from cmpchat.kernels.gemv_kquant import (
+    FORMATS,
+    KQUANT_TYPES,
+    ONES,
+    KQuantArrays,
+    KQuantFormat,
+    block_reader,
+    check_kquant_matmul,
 )
 from cmpchat.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD
 
@@ -82,6 +92,10 @@ SHARED_ALIGNMENT = None if SIMULATOR else 16
 
 GEMM_Q8_SIGNATURE = (
     "void(uint32[::1], float16[::1], uint32[::1], float32[::1], float32[::1], int32, int32, int32, int32)"
+)
+GEMM_KQUANT_SIGNATURE = (
+    "void(uint32[::1], uint32[::1], uint16[::1], float16[::1], uint32[::1], float32[::1], float32[::1], "
+    "int32, int32, int32, int32, int32, int32)"
 )
 
 
@@ -199,7 +213,12 @@ def _words4(stage, src):
     return stage[src], stage[src + uint64(1)], stage[src + uint64(2)], stage[src + uint64(3)]
 
 
-def _make_gemm_q8(tiling: GemmTiling) -> Any:
+def _gemm_body(tiling: GemmTiling, fmt: KQuantFormat | None) -> Any:
+    """The GEMM as a device function over Q8_0 weights (fmt None: w_a the quants, w_d the scales) or a
+    4/5/6-bit type (w_a..w_d: `gemv_kquant`'s nibbles, high, sub_scales, scales); y[t * out_stride + out_first
+    + r]. Both run the same tiles, stages and inner loop; a 4/5/6-bit stage turns each (row, block) into 8 int8
+    words and its S (and M, or Q6_K's second S) as it stores the stage, so the inner loop meets int8 words as
+    for Q8_0."""
     threads, warp_rows = tiling.threads, tiling.warp_rows
     row_groups, token_groups = tiling.row_groups, tiling.token_groups
     tile_rows, tile_tokens = tiling.tile_rows, tiling.tile_tokens
@@ -212,50 +231,81 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
     w_rounds, x_rounds, ws_rounds, xs_rounds = tiling.staging_rounds()
     w_groups, x_groups = tile_rows * groups_per_row, tile_tokens * groups_per_row
     w_scales, x_scales = tile_rows * stage_blocks, tile_tokens * stage_blocks
-    # Shared array sizes must be plain constants for Numba.
+    kquant = fmt is not None
+    split_scale = kquant and fmt.split_scale
+    has_min = kquant and fmt.has_min
+    second_scale = split_scale or has_min  # a second fp32 per (row, block): Q6_K's S of values 16..31, or M
+    if kquant:
+        w_rounds = ws_rounds  # one (row, block) a round: 16 bytes of nibbles, high bits and scales
+        read_block, block_words = block_reader(fmt)
+    # Shared and local array sizes must be plain constants for Numba.
     w_stage_size, x_stage_size = tile_rows * pitch, tile_tokens * pitch
     w_scale_size, x_scale_size = stage_blocks * w_scale_pitch, stage_blocks * x_scale_pitch
+    w_extra_size = w_scale_size if second_scale else 1
+    x_sum_size = 2 * x_scale_size if has_min else 1  # sums of each half block of the activations
     w_staged_size, x_staged_size = 4 * w_rounds, 4 * x_rounds
+    w_high_size = 2 * w_rounds if kquant else 1
+    w_extra_staged_size = w_rounds if second_scale else 1
     prefetch = tiling.prefetch
 
     @cuda.jit(device=True, inline=True)
-    def fetch_stage(wq, ws, xq, xs, w_staged, x_staged, ws_staged, xs_staged, first_block, base_a, base_b, token0,
-                    rows, words, tokens, tid):  # fmt: skip
+    def row_of(local, base_a, base_b):
+        return base_a + local if local < half_rows else base_b + local - half_rows
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_weights(w_a, w_b, w_c, w_d, w_staged, w_high, ws_staged, w_extra, first_block, base_a, base_b,
+                      rows, words, tid):  # fmt: skip
+        blocks = words >> 3
+        if kquant:
+            for r in range(w_rounds):
+                g = min(r * threads + tid, w_scales - 1)
+                row = min(row_of(g >> blocks_log2, base_a, base_b), rows - 1)
+                block = min(first_block + (g & (stage_blocks - 1)), blocks - 1)
+                n0, n1, n2, n3, h0, h1, s0, s1, m = read_block(w_a, w_b, w_c, w_d, row, block, blocks)
+                w_staged[4 * r], w_staged[4 * r + 1], w_staged[4 * r + 2], w_staged[4 * r + 3] = n0, n1, n2, n3
+                w_high[2 * r], w_high[2 * r + 1] = h0, h1
+                ws_staged[r] = s0
+                if split_scale:
+                    w_extra[r] = s1
+                elif has_min:
+                    w_extra[r] = m
+        else:
+            first_word = first_block * WORDS_PER_BLOCK
+            for r in range(w_rounds):
+                g = min(r * threads + tid, w_groups - 1)
+                row = min(row_of(g >> groups_log2, base_a, base_b), rows - 1)
+                word = first_word + ((g & (groups_per_row - 1)) << 2)
+                v0, v1, v2, v3 = load_u32x4(w_a, uint64(row * words + min(word, words - 4)))
+                w_staged[4 * r], w_staged[4 * r + 1], w_staged[4 * r + 2], w_staged[4 * r + 3] = v0, v1, v2, v3
+            for r in range(ws_rounds):
+                g = min(r * threads + tid, w_scales - 1)
+                row = min(row_of(g >> blocks_log2, base_a, base_b), rows - 1)
+                block = first_block + (g & (stage_blocks - 1))
+                ws_staged[r] = float32(w_d[uint64(row * blocks + min(block, blocks - 1))])
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_stage(w_a, w_b, w_c, w_d, xq, xs, w_staged, w_high, ws_staged, w_extra, x_staged, xs_staged,
+                    first_block, base_a, base_b, token0, rows, words, tokens, tid):  # fmt: skip
         # Every global load of a stage is issued before any is stored, so a stage waits for one memory
         # latency, not one per round, and none is used before the stage is stored (with prefetch, after this
         # stage computes). The loads are unconditional, a load under a branch is not moved past it: indices
         # are clamped into the operands, and what a clamped load brings only meets rows and tokens that are
         # never stored or blocks that are never computed.
         blocks = words >> 3
+        fetch_weights(w_a, w_b, w_c, w_d, w_staged, w_high, ws_staged, w_extra, first_block, base_a, base_b,
+                      rows, words, tid)  # fmt: skip
         first_word = first_block * WORDS_PER_BLOCK
-        for r in range(w_rounds):
-            g = min(r * threads + tid, w_groups - 1)
-            local = g >> groups_log2
-            offset = (g & (groups_per_row - 1)) << 2
-            row = base_a + local if local < half_rows else base_b + local - half_rows
-            word = first_word + offset
-            v0, v1, v2, v3 = load_u32x4(wq, uint64(min(row, rows - 1) * words + min(word, words - 4)))
-            w_staged[4 * r], w_staged[4 * r + 1], w_staged[4 * r + 2], w_staged[4 * r + 3] = v0, v1, v2, v3
         for r in range(x_rounds):
             g = min(r * threads + tid, x_groups - 1)
-            local = g >> groups_log2
-            offset = (g & (groups_per_row - 1)) << 2
-            token = token0 + local
-            word = first_word + offset
-            v0, v1, v2, v3 = load_u32x4(xq, uint64(min(token, tokens - 1) * words + min(word, words - 4)))
+            token = min(token0 + (g >> groups_log2), tokens - 1)
+            word = first_word + ((g & (groups_per_row - 1)) << 2)
+            v0, v1, v2, v3 = load_u32x4(xq, uint64(token * words + min(word, words - 4)))
             x_staged[4 * r], x_staged[4 * r + 1], x_staged[4 * r + 2], x_staged[4 * r + 3] = v0, v1, v2, v3
-        for r in range(ws_rounds):
-            g = min(r * threads + tid, w_scales - 1)
-            local = g >> blocks_log2
-            block = first_block + (g & (stage_blocks - 1))
-            row = base_a + local if local < half_rows else base_b + local - half_rows
-            ws_staged[r] = float32(ws[uint64(min(row, rows - 1) * blocks + min(block, blocks - 1))])
         for r in range(xs_rounds):
             g = min(r * threads + tid, x_scales - 1)
-            local = g >> blocks_log2
+            token = min(token0 + (g >> blocks_log2), tokens - 1)
             block = first_block + (g & (stage_blocks - 1))
-            token = token0 + local
-            xs_staged[r] = xs[uint64(min(token, tokens - 1) * blocks + min(block, blocks - 1))]
+            xs_staged[r] = xs[uint64(token * blocks + min(block, blocks - 1))]
 
     @cuda.jit(device=True, inline=True)
     def store_groups(staged, stage, rounds, groups, tid):
@@ -271,19 +321,60 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
                 stage[dst + uint64(3)] = staged[4 * r + 3]
 
     @cuda.jit(device=True, inline=True)
-    def store_stage(w_staged, x_staged, ws_staged, xs_staged, stage_w, stage_x, scale_w, scale_x, tid):
-        store_groups(w_staged, stage_w, w_rounds, w_groups, tid)
-        store_groups(x_staged, stage_x, x_rounds, x_groups, tid)
-        for r in range(ws_rounds):
+    def store_blocks(w_staged, w_high, ws_staged, w_extra, stage_w, scale_w, extra_w, tid):
+        """This thread's fetched 4/5/6-bit blocks as int8 words in the staged rows, S (and the second field)
+        in the staged scales."""
+        for r in range(w_rounds):
             g = r * threads + tid
             if g < w_scales:
-                scale_w[uint64((g & (stage_blocks - 1)) * w_scale_pitch + (g >> blocks_log2))] = ws_staged[r]
+                block = g & (stage_blocks - 1)
+                q0, q1, q2, q3, q4, q5, q6, q7 = block_words(w_staged[4 * r], w_staged[4 * r + 1],
+                                                             w_staged[4 * r + 2], w_staged[4 * r + 3],
+                                                             w_high[2 * r], w_high[2 * r + 1])  # fmt: skip
+                dst = uint64((g >> blocks_log2) * pitch + block * WORDS_PER_BLOCK)
+                stage_w[dst], stage_w[dst + uint64(1)], stage_w[dst + uint64(2)], stage_w[dst + uint64(3)] = (
+                    q0,
+                    q1,
+                    q2,
+                    q3,
+                )
+                stage_w[dst + uint64(4)], stage_w[dst + uint64(5)] = q4, q5
+                stage_w[dst + uint64(6)], stage_w[dst + uint64(7)] = q6, q7
+                at = uint64(block * w_scale_pitch + (g >> blocks_log2))
+                scale_w[at] = ws_staged[r]
+                if second_scale:
+                    extra_w[at] = w_extra[r]
+
+    @cuda.jit(device=True, inline=True)
+    def store_stage(w_staged, w_high, ws_staged, w_extra, x_staged, xs_staged, stage_w, stage_x, scale_w, extra_w,
+                    scale_x, x_sums, tid):  # fmt: skip
+        if kquant:
+            store_blocks(w_staged, w_high, ws_staged, w_extra, stage_w, scale_w, extra_w, tid)
+        else:
+            store_groups(w_staged, stage_w, w_rounds, w_groups, tid)
+            for r in range(ws_rounds):
+                g = r * threads + tid
+                if g < w_scales:
+                    scale_w[uint64((g & (stage_blocks - 1)) * w_scale_pitch + (g >> blocks_log2))] = ws_staged[r]
+        store_groups(x_staged, stage_x, x_rounds, x_groups, tid)
+        if has_min:
+            # sum(x) of each half block (a group's 16 values) for the M term, by dp4a against ones.
+            for r in range(x_rounds):
+                g = r * threads + tid
+                if g < x_groups:
+                    total = dp4a(x_staged[4 * r], ONES, int32(0))
+                    total = dp4a(x_staged[4 * r + 1], ONES, total)
+                    total = dp4a(x_staged[4 * r + 2], ONES, total)
+                    total = dp4a(x_staged[4 * r + 3], ONES, total)
+                    half = g & (groups_per_row - 1)  # the group's place in the stage: block half >> 1, half & 1
+                    x_sums[uint64(half * x_scale_pitch + (g >> groups_log2))] = total
         for r in range(xs_rounds):
             g = r * threads + tid
             if g < x_scales:
                 scale_x[uint64((g & (stage_blocks - 1)) * x_scale_pitch + (g >> blocks_log2))] = xs_staged[r]
 
-    def gemm_q8(wq, ws, xq, xs, y, rows, words, tokens, mode):
+    @cuda.jit(device=True, inline=True)
+    def body(w_a, w_b, w_c, w_d, xq, xs, y, rows, words, tokens, mode, out_stride, out_first):
         # Indices are cast to uint64 before indexing: that spares Numba's negative-index wraparound.
         tid = cuda.threadIdx.x
         lane = tid & (WARP_SIZE - 1)
@@ -305,37 +396,48 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
         stage_x = cuda.shared.array(x_stage_size, uint32, alignment=SHARED_ALIGNMENT)
         scale_w = cuda.shared.array(w_scale_size, float32)
         scale_x = cuda.shared.array(x_scale_size, float32)
+        extra_w = cuda.shared.array(w_extra_size, float32)
+        x_sums = cuda.shared.array(x_sum_size, int32)
         acc = cuda.local.array(THREAD_OUTPUTS, float32)  # acc[4i + j]: row i, token j
         x = cuda.local.array(THREAD_WORDS, uint32)  # x[8j + w]: word w of token j's current block
         x_scale = cuda.local.array(THREAD_TOKENS, float32)
+        x_min = cuda.local.array(THREAD_TOKENS, float32)  # xs * sum(x) of token j's block (the M term)
         for i in range(THREAD_OUTPUTS):
             acc[i] = float32(0.0)
 
         w_staged = cuda.local.array(w_staged_size, uint32)  # this thread's share of a stage, in registers
+        w_high = cuda.local.array(w_high_size, uint32)
         x_staged = cuda.local.array(x_staged_size, uint32)
         ws_staged = cuda.local.array(ws_rounds, float32)
+        w_extra = cuda.local.array(w_extra_staged_size, float32)
         xs_staged = cuda.local.array(xs_rounds, float32)
         if prefetch:
-            fetch_stage(wq, ws, xq, xs, w_staged, x_staged, ws_staged, xs_staged, 0, base_a, base_b, token0,
-                        rows, words, tokens, tid)  # fmt: skip
+            fetch_stage(w_a, w_b, w_c, w_d, xq, xs, w_staged, w_high, ws_staged, w_extra, x_staged, xs_staged, 0,
+                        base_a, base_b, token0, rows, words, tokens, tid)  # fmt: skip
         for first_block in range(0, blocks, stage_blocks):
             if not prefetch:
-                fetch_stage(wq, ws, xq, xs, w_staged, x_staged, ws_staged, xs_staged, first_block, base_a, base_b,
-                            token0, rows, words, tokens, tid)  # fmt: skip
+                fetch_stage(w_a, w_b, w_c, w_d, xq, xs, w_staged, w_high, ws_staged, w_extra, x_staged, xs_staged,
+                            first_block, base_a, base_b, token0, rows, words, tokens, tid)  # fmt: skip
             cuda.syncthreads()  # the previous stage's readers are done
-            store_stage(w_staged, x_staged, ws_staged, xs_staged, stage_w, stage_x, scale_w, scale_x, tid)
+            store_stage(w_staged, w_high, ws_staged, w_extra, x_staged, xs_staged, stage_w, stage_x, scale_w,
+                        extra_w, scale_x, x_sums, tid)  # fmt: skip
             cuda.syncthreads()
             if prefetch and first_block + stage_blocks < blocks:
                 # The next stage's loads are in flight while this one computes.
-                fetch_stage(wq, ws, xq, xs, w_staged, x_staged, ws_staged, xs_staged, first_block + stage_blocks,
-                            base_a, base_b, token0, rows, words, tokens, tid)  # fmt: skip
+                fetch_stage(w_a, w_b, w_c, w_d, xq, xs, w_staged, w_high, ws_staged, w_extra, x_staged, xs_staged,
+                            first_block + stage_blocks, base_a, base_b, token0, rows, words, tokens, tid)  # fmt: skip
 
             for block in range(min(stage_blocks, blocks - first_block)):
                 for j in range(THREAD_TOKENS):
-                    src = uint64((tg + token_groups * j) * pitch + block * WORDS_PER_BLOCK)
+                    token = tg + token_groups * j
+                    src = uint64(token * pitch + block * WORDS_PER_BLOCK)
                     for w in range(WORDS_PER_BLOCK):
                         x[WORDS_PER_BLOCK * j + w] = stage_x[src + uint64(w)]
-                    x_scale[j] = scale_x[uint64(block * x_scale_pitch + tg + token_groups * j)]
+                    x_scale[j] = scale_x[uint64(block * x_scale_pitch + token)]
+                    if has_min:
+                        halves = x_sums[uint64(2 * block * x_scale_pitch + token)]
+                        halves += x_sums[uint64((2 * block + 1) * x_scale_pitch + token)]
+                        x_min[j] = x_scale[j] * float32(halves)
                 for pair in range(THREAD_ROWS // 2):
                     # Two rows at a time: eight independent dp4a chains hide the dp4a latency.
                     i, n = 2 * pair, 2 * pair + 1
@@ -345,33 +447,50 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
                     a4, a5, a6, a7 = _words4(stage_w, src_i + uint64(4))
                     b0, b1, b2, b3 = _words4(stage_w, src_n)
                     b4, b5, b6, b7 = _words4(stage_w, src_n + uint64(4))
-                    scale_i = scale_w[uint64(block * w_scale_pitch + rg + row_groups * i)]
-                    scale_n = scale_w[uint64(block * w_scale_pitch + rg + row_groups * n)]
+                    at_i = uint64(block * w_scale_pitch + rg + row_groups * i)
+                    at_n = uint64(block * w_scale_pitch + rg + row_groups * n)
+                    scale_i, scale_n = scale_w[at_i], scale_w[at_n]
+                    extra_i = extra_n = float32(0.0)
+                    if second_scale:
+                        extra_i, extra_n = extra_w[at_i], extra_w[at_n]
                     for j in range(THREAD_TOKENS):
                         k = WORDS_PER_BLOCK * j
-                        dot_i = dp4a(a0, x[k], int32(0))
-                        dot_n = dp4a(b0, x[k], int32(0))
-                        dot_i = dp4a(a1, x[k + 1], dot_i)
-                        dot_n = dp4a(b1, x[k + 1], dot_n)
-                        dot_i = dp4a(a2, x[k + 2], dot_i)
-                        dot_n = dp4a(b2, x[k + 2], dot_n)
-                        dot_i = dp4a(a3, x[k + 3], dot_i)
-                        dot_n = dp4a(b3, x[k + 3], dot_n)
-                        dot_i = dp4a(a4, x[k + 4], dot_i)
-                        dot_n = dp4a(b4, x[k + 4], dot_n)
-                        dot_i = dp4a(a5, x[k + 5], dot_i)
-                        dot_n = dp4a(b5, x[k + 5], dot_n)
-                        dot_i = dp4a(a6, x[k + 6], dot_i)
-                        dot_n = dp4a(b6, x[k + 6], dot_n)
-                        dot_i = dp4a(a7, x[k + 7], dot_i)
-                        dot_n = dp4a(b7, x[k + 7], dot_n)
-                        acc[THREAD_TOKENS * i + j] += float32(dot_i) * (scale_i * x_scale[j])
-                        acc[THREAD_TOKENS * n + j] += float32(dot_n) * (scale_n * x_scale[j])
+                        low_i = dp4a(a0, x[k], int32(0))
+                        low_n = dp4a(b0, x[k], int32(0))
+                        low_i = dp4a(a1, x[k + 1], low_i)
+                        low_n = dp4a(b1, x[k + 1], low_n)
+                        low_i = dp4a(a2, x[k + 2], low_i)
+                        low_n = dp4a(b2, x[k + 2], low_n)
+                        low_i = dp4a(a3, x[k + 3], low_i)
+                        low_n = dp4a(b3, x[k + 3], low_n)
+                        if split_scale:  # values 16..31 have their own scale: a second chain
+                            high_i = dp4a(a4, x[k + 4], int32(0))
+                            high_n = dp4a(b4, x[k + 4], int32(0))
+                        else:
+                            high_i = dp4a(a4, x[k + 4], low_i)
+                            high_n = dp4a(b4, x[k + 4], low_n)
+                        high_i = dp4a(a5, x[k + 5], high_i)
+                        high_n = dp4a(b5, x[k + 5], high_n)
+                        high_i = dp4a(a6, x[k + 6], high_i)
+                        high_n = dp4a(b6, x[k + 6], high_n)
+                        high_i = dp4a(a7, x[k + 7], high_i)
+                        high_n = dp4a(b7, x[k + 7], high_n)
+                        if split_scale:
+                            term_i = float32(low_i) * (scale_i * x_scale[j]) + float32(high_i) * (extra_i * x_scale[j])
+                            term_n = float32(low_n) * (scale_n * x_scale[j]) + float32(high_n) * (extra_n * x_scale[j])
+                        else:
+                            term_i = float32(high_i) * (scale_i * x_scale[j])
+                            term_n = float32(high_n) * (scale_n * x_scale[j])
+                            if has_min:
+                                term_i += extra_i * x_min[j]
+                                term_n += extra_n * x_min[j]
+                        acc[THREAD_TOKENS * i + j] += term_i
+                        acc[THREAD_TOKENS * n + j] += term_n
 
         for j in range(THREAD_TOKENS):
             token = token0 + tg + token_groups * j
             if token < tokens:
-                out = token * out_rows
+                out = token * out_stride + out_first
                 for i in range(ROWS_PER_HALF):
                     row = base_a + rg + row_groups * i
                     if mode == MODE_SWIGLU:
@@ -389,25 +508,48 @@ def _make_gemm_q8(tiling: GemmTiling) -> Any:
                                 else:
                                     y[uint64(out + r)] = value
 
-    name = "gemm_q8_" + tiling.label.replace("x", "_")
-    gemm_q8.__name__ = gemm_q8.__qualname__ = name
+    return body
+
+
+def _make_gemm(tiling: GemmTiling, tensor_type: T) -> Any:
+    """The kernel of one weight type (Q8_0 or `gemv_kquant.FORMATS`) and tiling."""
+    name = f"gemm_{'q8' if tensor_type == T.Q8_0 else tensor_type.name.lower()}_" + tiling.label.replace("x", "_")
     # ptxas keeps to the registers that let `blocks_per_sm` blocks share an SM (128 at 16 warps per SM).
-    return kernel(GEMM_Q8_SIGNATURE, launch_bounds=(threads, tiling.blocks_per_sm))(gemm_q8)
+    compile_kernel = kernel(GEMM_Q8_SIGNATURE if tensor_type == T.Q8_0 else GEMM_KQUANT_SIGNATURE,
+                            launch_bounds=(tiling.threads, tiling.blocks_per_sm))  # fmt: skip
+    if tensor_type == T.Q8_0:
+        body = _gemm_body(tiling, None)
+
+        def gemm_q8(wq, ws, xq, xs, y, rows, words, tokens, mode):
+            body(wq, wq, wq, ws, xq, xs, y, rows, words, tokens, mode, rows // 2 if mode == MODE_SWIGLU else rows, 0)
+
+        gemm_q8.__name__ = gemm_q8.__qualname__ = name
+        return compile_kernel(gemm_q8)
+    body = _gemm_body(tiling, FORMATS[tensor_type])
+
+    def gemm_kquant(nibbles, high, sub_scales, scales, xq, xs, y, rows, words, tokens, mode, out_stride, out_first):
+        body(nibbles, high, sub_scales, scales, xq, xs, y, rows, words, tokens, mode, out_stride, out_first)
+
+    gemm_kquant.__name__ = gemm_kquant.__qualname__ = name
+    return compile_kernel(gemm_kquant)
 
 
-_KERNELS: dict[GemmTiling, Any] = {}
+_KERNELS: dict[tuple[GemmTiling, T], Any] = {}
 
 
-def gemm_kernel(tiling: GemmTiling) -> Any:
-    """The kernel for a tiling, defined once (the first call registers it for the PTX check)."""
-    if tiling not in _KERNELS:
-        _KERNELS[tiling] = _make_gemm_q8(tiling)
-    return _KERNELS[tiling]
+def gemm_kernel(tiling: GemmTiling, tensor_type: T = T.Q8_0) -> Any:
+    """The kernel for a tiling and weight type, defined once (the first call registers it for the PTX check)."""
+    if (tiling, tensor_type) not in _KERNELS:
+        _KERNELS[(tiling, tensor_type)] = _make_gemm(tiling, tensor_type)
+    return _KERNELS[(tiling, tensor_type)]
 
 
 for _tiling in (SIMULATOR_TILING,) if SIMULATOR else SWEEP_TILINGS:
     gemm_kernel(_tiling)
-del _tiling
+for _tiling in (SIMULATOR_TILING,) if SIMULATOR else (GPU_TILING, SM70_TILING):
+    for _type in KQUANT_TYPES:
+        gemm_kernel(_tiling, _type)
+del _tiling, _type
 
 
 # ---------------------------------------------------------------------------------------------- host side
@@ -446,3 +588,30 @@ def gemm_q8_launch(
         out.reshape(-1), np.int32(rows), np.int32(words), np.int32(tokens), np.int32(code),
     )  # fmt: skip
     return Launch(gemm_kernel(tiling), grid, tiling.threads, args)
+
+
+def gemm_kquant_launch(
+    tensor_type: T,
+    arrays: KQuantArrays,
+    cols: int,
+    x_quants: Any,
+    x_scales: Any,
+    out: Any,
+    *,
+    mode: str = "store",
+    out_first: int = 0,
+    tiling: GemmTiling,
+) -> Launch:
+    """y = W x for a 4/5/6-bit W (`gemv_kquant`'s layout and contract, `out_first` included: a part of a
+    fused matrix writes its columns of a wider output), tiled as `tiling` says; best above 16 tokens."""
+    rows, tokens, code, out_stride = check_kquant_matmul(tensor_type, arrays, cols, x_quants, x_scales, out, mode,
+                                                         out_first)  # fmt: skip
+    grid = gemm_grid(rows, tokens, mode, tiling)
+    if grid[1] > MAX_GRID_Y:
+        raise ValueError(f"{rows} rows need {grid[1]} row tiles, more than a grid's {MAX_GRID_Y}: split the weight")
+    args = (
+        arrays.nibbles.reshape(-1), arrays.high.reshape(-1), arrays.sub_scales.reshape(-1), arrays.scales.reshape(-1),
+        x_quants.reshape(-1), x_scales.reshape(-1), out.reshape(-1), np.int32(rows), np.int32(cols // 4),
+        np.int32(tokens), np.int32(code), np.int32(out_stride), np.int32(out_first),
+    )  # fmt: skip
+    return Launch(gemm_kernel(tiling, tensor_type), grid, tiling.threads, args)

@@ -174,51 +174,46 @@ def signed_byte(value):
     return int32(value) - ((int32(value) & 0x80) << 1)
 
 
-def _make_gemv_kquant(fmt: KQuantFormat, tokens_max: int) -> Any:
-    chunk = chunk_blocks(tokens_max)
-    chunk_log2 = chunk.bit_length() - 1
-    stage_blocks = tokens_max * chunk
-    stage_words = stage_blocks * 8
-    rounds = -(-stage_blocks // BLOCK_THREADS)
+def block_reader(fmt: KQuantFormat) -> tuple[Any, Any]:
+    """Device functions for one type's blocks, shared by this GEMV and the GEMM (`gemm.py`):
+
+    - read_block(nibbles, high, sub_scales, scales, row, block, blocks): a row's block (row and block in
+      range): its 4 nibble words, 2 high words, S (S of the first 16 values for Q6_K), S of the second 16
+      (Q6_K; else S) and M (0 for the types without a minimum);
+    - block_words(n0, n1, n2, n3, h0, h1): the block's 32 values as 8 int8 words, q - offset (word c:
+      values 4c..4c+3 for c < 4, 16 + 4(c - 4).. above)."""
     high_bits, has_min, split_scale, sub_scales_on = fmt.high_bits, fmt.has_min, fmt.split_scale, fmt.sub_scales
     offset_bias = (128 - fmt.offset) * ONES  # (q + bias) ^ 0x80808080 is q - offset in each signed byte
     with_offset = fmt.offset != 0
     group_log2 = (fmt.group_values // QUANT_BLOCK).bit_length() - 1
     fields = fmt.fields
-    min_stage = stage_blocks if has_min else 1
-    sums = ROWS_PER_WARP * tokens_max
-    spread = 5 - (sums.bit_length() - 1)
-    live_16, live_8, live_4, live_2, live_1 = (max(sums >> level, 1) for level in range(5))
 
     @cuda.jit(device=True, inline=True)
-    def load_block(nibbles, high, sub_scales, scales, row, block, blocks):
-        """A row's block: its 4 nibble words, high words, S (S of the second half for Q6_K) and M; zeros
-        past the row's end."""
-        n0 = n1 = n2 = n3 = h0 = h1 = uint32(0)
-        s0 = s1 = m = float32(0.0)
-        if block < blocks:
-            b = uint64(row * blocks + block)
-            n0, n1, n2, n3 = load_u32x4(nibbles, b * uint64(NIBBLE_WORDS))
-            if high_bits == 1:
-                h0 = high[b]
-                h1 = h0
-            elif high_bits == 2:
-                h0 = high[b * uint64(2)]
-                h1 = high[b * uint64(2) + uint64(1)]
-            if sub_scales_on:
-                group = uint64((row * (blocks >> group_log2) + (block >> group_log2)) * fields)
-                d = float32(scales[group])
-                packed = int32(sub_scales[b])
-                if split_scale:
-                    s0 = d * float32(signed_byte(packed & 0xFF))
-                    s1 = d * float32(signed_byte(packed >> 8))
-                else:
-                    s0 = d * float32(packed & 0xFF)
-                    m = -(float32(scales[group + uint64(1)]) * float32(packed >> 8))
+    def read_block(nibbles, high, sub_scales, scales, row, block, blocks):
+        h0 = h1 = uint32(0)
+        m = float32(0.0)
+        b = uint64(row * blocks + block)
+        n0, n1, n2, n3 = load_u32x4(nibbles, b * uint64(NIBBLE_WORDS))
+        if high_bits == 1:
+            h0 = high[b]
+            h1 = h0
+        elif high_bits == 2:
+            h0 = high[b * uint64(2)]
+            h1 = high[b * uint64(2) + uint64(1)]
+        if sub_scales_on:
+            group = uint64((row * (blocks >> group_log2) + (block >> group_log2)) * fields)
+            d = float32(scales[group])
+            packed = int32(sub_scales[b])
+            if split_scale:
+                s0 = d * float32(signed_byte(packed & 0xFF))
+                s1 = d * float32(signed_byte(packed >> 8))
             else:
-                s0 = float32(scales[b * uint64(fields)])
-                if has_min:
-                    m = float32(scales[b * uint64(fields) + uint64(1)])
+                s0 = s1 = d * float32(packed & 0xFF)
+                m = -(float32(scales[group + uint64(1)]) * float32(packed >> 8))
+        else:
+            s0 = s1 = float32(scales[b * uint64(fields)])
+            if has_min:
+                m = float32(scales[b * uint64(fields) + uint64(1)])
         return n0, n1, n2, n3, h0, h1, s0, s1, m
 
     @cuda.jit(device=True, inline=True)
@@ -238,13 +233,41 @@ def _make_gemv_kquant(fmt: KQuantFormat, tokens_max: int) -> Any:
         return uint32(low), uint32(high)
 
     @cuda.jit(device=True, inline=True)
-    def block_words(loaded):
-        n0, n1, n2, n3, h0, h1 = loaded[0], loaded[1], loaded[2], loaded[3], loaded[4], loaded[5]
+    def block_words(n0, n1, n2, n3, h0, h1):
         q0, q4 = int8_words(n0, h0, h1, 0)
         q1, q5 = int8_words(n1, h0, h1, 1)
         q2, q6 = int8_words(n2, h0, h1, 2)
         q3, q7 = int8_words(n3, h0, h1, 3)
         return q0, q1, q2, q3, q4, q5, q6, q7
+
+    return read_block, block_words
+
+
+def _make_gemv_kquant(fmt: KQuantFormat, tokens_max: int) -> Any:
+    chunk = chunk_blocks(tokens_max)
+    chunk_log2 = chunk.bit_length() - 1
+    stage_blocks = tokens_max * chunk
+    stage_words = stage_blocks * 8
+    rounds = -(-stage_blocks // BLOCK_THREADS)
+    has_min, split_scale = fmt.has_min, fmt.split_scale
+    min_stage = stage_blocks if has_min else 1
+    sums = ROWS_PER_WARP * tokens_max
+    spread = 5 - (sums.bit_length() - 1)
+    live_16, live_8, live_4, live_2, live_1 = (max(sums >> level, 1) for level in range(5))
+    read_block, unpack_words = block_reader(fmt)
+
+    @cuda.jit(device=True, inline=True)
+    def load_block(nibbles, high, sub_scales, scales, row, block, blocks):
+        """`read_block`, or zeros past the row's end."""
+        n0 = n1 = n2 = n3 = h0 = h1 = uint32(0)
+        s0 = s1 = m = float32(0.0)
+        if block < blocks:
+            n0, n1, n2, n3, h0, h1, s0, s1, m = read_block(nibbles, high, sub_scales, scales, row, block, blocks)
+        return n0, n1, n2, n3, h0, h1, s0, s1, m
+
+    @cuda.jit(device=True, inline=True)
+    def block_words(loaded):
+        return unpack_words(loaded[0], loaded[1], loaded[2], loaded[3], loaded[4], loaded[5])
 
     @cuda.jit(device=True, inline=True)
     def block_term(q, s0, s1, m, x0, x1, x2, x3, x4, x5, x6, x7, xs, xm):
@@ -385,6 +408,27 @@ def check_kquant_arrays(tensor_type: T, arrays: KQuantArrays, rows: int, cols: i
     return fmt
 
 
+def check_kquant_matmul(
+    tensor_type: T, arrays: KQuantArrays, cols: int, x_quants: Any, x_scales: Any, out: Any, mode: str, out_first: int
+) -> tuple[int, int, int, int]:
+    """(rows, tokens, mode code, out's row stride) of a valid 4/5/6-bit matmul (this GEMV's or the GEMM's)."""
+    rows = int(arrays.nibbles.shape[0])
+    check_kquant_arrays(tensor_type, arrays, rows, cols)
+    tokens = int(x_quants.shape[0]) if len(x_quants.shape) == 2 else 0
+    if tokens < 1:
+        raise ValueError("no tokens to multiply")
+    check_quantized(x_quants, x_scales, tokens, cols)
+    check_aligned(x_quants, "activation quants")
+    code = check_mode(mode, rows)
+    _, out_stride = check_array(out, "out", np.float32, 2)
+    written = rows // 2 if mode == "swiglu" else rows
+    if int(out.shape[0]) != tokens or not 0 <= out_first <= out_stride - written:
+        raise ValueError(
+            f"out {tuple(out.shape)} has no columns {out_first}..{out_first + written} for {tokens} tokens"
+        )
+    return rows, tokens, code, out_stride
+
+
 def kquant_matmul_launch(
     tensor_type: T,
     arrays: KQuantArrays,
@@ -402,20 +446,8 @@ def kquant_matmul_launch(
     mode "store" writes out[:, out_first : out_first + rows]; "accumulate" adds into it; "swiglu" takes
     W = [gate | up] stacked along rows and writes silu(gate x) * (up x) into out [T, rows/2].
     """
-    rows = int(arrays.nibbles.shape[0])
-    check_kquant_arrays(tensor_type, arrays, rows, cols)
-    tokens = int(x_quants.shape[0]) if len(x_quants.shape) == 2 else 0
-    if tokens < 1:
-        raise ValueError("no tokens to multiply")
-    check_quantized(x_quants, x_scales, tokens, cols)
-    check_aligned(x_quants, "activation quants")
-    code = check_mode(mode, rows)
-    _, out_stride = check_array(out, "out", np.float32, 2)
-    written = rows // 2 if mode == "swiglu" else rows
-    if int(out.shape[0]) != tokens or not 0 <= out_first <= out_stride - written:
-        raise ValueError(
-            f"out {tuple(out.shape)} has no columns {out_first}..{out_first + written} for {tokens} tokens"
-        )
+    rows, tokens, code, out_stride = check_kquant_matmul(tensor_type, arrays, cols, x_quants, x_scales, out, mode,
+                                                         out_first)  # fmt: skip
     bucket = token_bucket(min(tokens, MAX_TOKENS))
     grid = (-(-row_pairs(rows, mode) // WARPS_PER_BLOCK), -(-tokens // bucket))
     args = (

@@ -7,9 +7,24 @@ Blocks run along the input dimension, so a row of `n` inputs holds `n / 32` bloc
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 Q8_0_BLOCK = 32
 Q8_0_BLOCK_BYTES = 2 + Q8_0_BLOCK
+INT8_ACTIVATION_TYPES = frozenset(
+    {
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+"""Weight types whose GPU matmuls take int8 activations (quantised as `quantize_activations` says): what the
+reference's GPU-mirroring mode rounds the same way."""
 
 
 def q8_0_split(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -39,6 +54,14 @@ def q8_0_quantize(values: np.ndarray) -> np.ndarray:
     out[:, :, :2] = scale.astype(np.float16)[..., None].view(np.uint8).reshape(rows, -1, 2)
     out[:, :, 2:] = quants.view(np.uint8)
     return out.reshape(rows, -1)
+
+
+def int8_rounded(x: np.ndarray) -> np.ndarray:
+    """x [..., n] as its int8 quantisation's values (`quantize_activations`), fp32."""
+    quants, scales = quantize_activations(x)
+    shape = x.shape
+    blocks = quants.reshape(*shape[:-1], shape[-1] // Q8_0_BLOCK, Q8_0_BLOCK).astype(np.float32)
+    return (blocks * scales[..., None]).reshape(shape)
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

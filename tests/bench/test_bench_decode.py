@@ -237,3 +237,12 @@ def test_a_pipelines_batch_is_projected_with_one_group_a_stage_in_flight() -> No
         pytest.approx(aggregate, abs=0.05),
         pytest.approx(one_group, abs=0.05),
     ]
+
+
+def test_each_released_size_runs_in_each_mix_and_a_file_once(tiny_model_path: Path) -> None:
+    from cmpchat.cli import build_parser
+    from cmpchat.commands.bench import bench_runs
+
+    args = build_parser().parse_args(["bench", "decode", "9B", str(tiny_model_path), "--mix", "Q8_0", "Q4_K_M"])
+    assert bench_runs(args) == [("9B", "Q8_0"), ("9B", "Q4_K_M"), (str(tiny_model_path), "Q8_0")]
+    assert bench_runs(build_parser().parse_args(["bench", "prefill", "27B"])) == [("27B", "Q8_0")]

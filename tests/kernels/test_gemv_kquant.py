@@ -89,3 +89,9 @@ def test_the_launcher_refuses_wrong_operands() -> None:
         kquant_matmul_launch(T.Q4_K, arrays, 256, xq, xs, out, out_first=1)
     with pytest.raises(ValueError, match="whole blocks of 256"):
         kquant_matmul_launch(T.Q6_K, arrays, 128, xq, xs, out)
+
+
+def test_the_reference_mirrors_the_int8_activations_of_exactly_these_types() -> None:
+    from cmpchat.model.quant import INT8_ACTIVATION_TYPES
+
+    assert INT8_ACTIVATION_TYPES == {T.Q8_0, *KQUANT_TYPES}

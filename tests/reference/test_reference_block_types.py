@@ -16,6 +16,7 @@ from cmpchat.backends.reference.model import ReferenceBackend
 from cmpchat.model.builder import ModelShape, build_model, tensor_specs
 from cmpchat.model.dequant import BLOCK_FORMATS
 from cmpchat.model.gguf_file import ModelFile
+from cmpchat.model.quant import INT8_ACTIVATION_TYPES, int8_rounded
 from tests.conftest import WIDE_SHAPE, add_byte_vocabulary
 
 TOKENS = [int(t) for t in np.random.default_rng(5).integers(0, 259, 24)]
@@ -101,12 +102,15 @@ def test_weights_are_unpacked_when_they_fit(files):
 
 
 def test_mirror_gpu_runs_and_its_int8_path_is_the_same_packed_or_not(files, monkeypatch):
-    """GPU mirroring rounds activations to int8 for Q8_0 weights only; the other types take the exact path
-    (their GPU rounding comes with their kernels). A packed Q8_0 Linear gives the same bits as an unpacked one."""
+    """GPU mirroring takes Q8_0's int8 path, multiplies the 4/5/6-bit types' exact weights by the activations
+    rounded to int8 as the GPU quantises them, and float weights by the activations as they are. A packed Q8_0
+    Linear gives the same bits as an unpacked one."""
     model_file = ModelFile(files[0])
     mirrored = scores(files[0], mirror_gpu=True)
     assert np.isfinite(mirrored).all()
-    np.testing.assert_allclose(mirrored, scores(files[0]), rtol=0, atol=0.05 * np.abs(mirrored).max())
+    # Every quantised matmul's input rounded to int8: on this random model the logits move by up to 7.4% of the
+    # largest (measured on 2026-12-04).
+    np.testing.assert_allclose(mirrored, scores(files[0]), rtol=0, atol=0.15 * np.abs(mirrored).max())
     monkeypatch.setattr(Linear, "ROW_BLOCK_VALUES", 256 * 48)
     x = np.random.default_rng(0).standard_normal((3, WIDE_SHAPE.hidden_size)).astype(np.float32)
     by_type = {info.type: name for name, info in model_file.tensors.items() if name.endswith("ffn_gate.weight")}
@@ -119,9 +123,11 @@ def test_mirror_gpu_runs_and_its_int8_path_is_the_same_packed_or_not(files, monk
         if tensor_type == T.Q8_0:
             np.testing.assert_array_equal(packed(x), unpacked(x))
         else:
+            seen = int8_rounded(x) if tensor_type in INT8_ACTIVATION_TYPES else x
             np.testing.assert_allclose(packed(x), unpacked(x), rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(unpacked(x), x @ model_file.dequantize(name).T, rtol=1e-5, atol=1e-6)
-    assert T.Q8_0 in by_type and len(by_type) > 2
+            np.testing.assert_allclose(unpacked(x), seen @ model_file.dequantize(name).T, rtol=1e-5, atol=1e-6)
+    assert T.Q8_0 in by_type and len(by_type) > 2 and INT8_ACTIVATION_TYPES & set(by_type) - {T.Q8_0}
+    assert np.abs(int8_rounded(x) - x).max() > 1e-3  # the rounding is visible at this tolerance
 
 
 def test_packed_weights_that_do_not_fit_are_refused_in_one_line(files, monkeypatch):

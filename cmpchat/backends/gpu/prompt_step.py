@@ -34,7 +34,7 @@ from cmpchat.backends.base import ImageRows
 from cmpchat.backends.gpu.buffers import columns, mark_placed, place_image_rows, zeros
 from cmpchat.backends.gpu.kv_layout import KvPages
 from cmpchat.backends.gpu.states import RecurrentStates
-from cmpchat.backends.gpu.step import MatmulInputs, embed_launch
+from cmpchat.backends.gpu.step import MatmulInputs, embed_launch, takes_int8
 from cmpchat.backends.gpu.weights import AttentionWeights, RecurrentWeights, StageWeights
 from cmpchat.cudart.launch import Launch
 from cmpchat.kernels.attention_prefill import PrefillAttentionConfig, partial_buffer_shapes, prefill_attention
@@ -70,8 +70,8 @@ def prompt_step_supported(config: ModelConfig, weights: StageWeights) -> str | N
         mixer = layer.mixer
         inner = mixer.qkv if isinstance(mixer, AttentionWeights) else mixer.projection
         matrices += [inner, mixer.output, layer.gate_up, layer.down]
-    if not all(m.is_q8_0 for m in matrices):
-        return "the long-prompt step multiplies Q8_0 weights only"
+    if not all(takes_int8(m) for m in matrices):
+        return "the long-prompt step multiplies Q8_0 and 4/5/6-bit weights only"
     if config.recurrent_layers:
         try:
             check_prefill_shape(GatedDeltaNetShape.from_config(config), DEFAULT_CHUNK)

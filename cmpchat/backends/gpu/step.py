@@ -36,7 +36,7 @@ from cmpchat.kernels.elementwise import embed_q8_0
 from cmpchat.kernels.embed_kquant import embed_kquant
 from cmpchat.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.kernels.gated_deltanet import decode_step as gdn_decode_step
-from cmpchat.kernels.gemm import gemm_q8_launch, matmul_kind
+from cmpchat.kernels.gemm import gemm_kquant_launch, gemm_q8_launch, matmul_kind
 from cmpchat.kernels.gemv import gemv_q8_launch
 from cmpchat.kernels.gemv_float import gemv_float_launch
 from cmpchat.kernels.gemv_fused import gemv_q8_fused_launch
@@ -319,8 +319,8 @@ class MatmulInputs:
     """How a step prepares each matmul's input: at one row a Q8_0 GEMV normalises and quantises it itself
     (`gemv_fused`); otherwise a launch writes the int8 (and fp32, for float weights) form first, and the
     batched GEMV (up to 16 rows) or the GEMM (more, `gemm.matmul_kind`) multiplies, tiled as `tuning` says for
-    `sm_count` SMs; 4/5/6-bit weights take `gemv_kquant` at any row count (a launch per part of a matrix whose
-    parts differ in type)."""
+    `sm_count` SMs; 4/5/6-bit weights likewise (`gemv_kquant`, `gemm.gemm_kquant_launch`), a launch per part
+    of a matrix whose parts differ in type."""
 
     b: Any  # StepBuffers, or prompt_step.PromptBuffers: the same activation buffers
     rows: int
@@ -366,7 +366,7 @@ def embed_launch(embedding: DeviceMatrix, tokens: Any, hidden: Any) -> Launch:
 
 def _matmul(matrix: DeviceMatrix, b: Any, rows: int, out: Any, mode: str, tuning: DeviceTuning) -> list[Launch]:
     """out (=, += or swiglu) matrix @ the normalised input (its int8 form for quantised weights)."""
-    if _takes_int8(matrix):
+    if takes_int8(matrix):
         return _int8_matmul(matrix, b.x_quants[:rows], b.x_scales[:rows], out, mode, tuning)
     return [_float_matmul(matrix, b.normalized[:rows], out, mode)]
 
@@ -375,7 +375,7 @@ def _project_into(
     matrix: DeviceMatrix, activations: Any, b: Any, rows: int, hidden: Any, tuning: DeviceTuning
 ) -> list[Launch]:
     """hidden += matrix @ activations (the residual add fused into the GEMV)."""
-    if not _takes_int8(matrix):
+    if not takes_int8(matrix):
         return [_float_matmul(matrix, activations, hidden, "accumulate")]
     width = activations.shape[1]
     quants = columns(b.m_quants, rows, width // 4)
@@ -386,9 +386,10 @@ def _project_into(
     ]
 
 
-def _takes_int8(matrix: DeviceMatrix) -> bool:
+def takes_int8(matrix: DeviceMatrix) -> bool:
     """Whether the matrix multiplies int8 activations: Q8_0, the 4/5/6-bit types, parts of those."""
     return matrix.is_q8_0 or matrix.kquant is not None or bool(matrix.parts)
+    gemm = matmul_kind(x_quants.shape[0]) == "gemm"
 
 
 def _int8_matmul(
@@ -402,10 +403,11 @@ def _int8_matmul(
     launches, first = [], 0
     for part in parts:
         assert part.tensor_type is not None and part.kquant is not None
-        launches.append(
-            kquant_matmul_launch(part.tensor_type, part.kquant, part.cols, x_quants, x_scales, out, mode=mode,
-                                 out_first=first)
-        )  # fmt: skip
+        args = (part.tensor_type, part.kquant, part.cols, x_quants, x_scales, out)
+        if gemm:
+            launches.append(gemm_kquant_launch(*args, mode=mode, out_first=first, tiling=tuning.gemm))
+        else:
+            launches.append(kquant_matmul_launch(*args, mode=mode, out_first=first))
         first += part.rows
     return launches
 

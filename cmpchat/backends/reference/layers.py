@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType
 
 from cmpchat.model.dequant import dequantize_rows
 from cmpchat.model.gguf_file import ModelFile
-from cmpchat.model.quant import Q8_0_BLOCK, q8_0_split, quantize_activations
+from cmpchat.model.quant import INT8_ACTIVATION_TYPES, Q8_0_BLOCK, int8_rounded, q8_0_split, quantize_activations
 
 L2_NORM_EPS = 1e-6  # GDN's q/k L2 normalisation: x / sqrt(sum(x^2) + eps)
 
@@ -75,8 +75,9 @@ class Linear:
     Exact mode multiplies by the exact fp32 values of the weight (`cmpchat.model.dequant`). GPU-mirroring mode
     does what the GPU engine does with a Q8_0 weight: quantise x to int8 per 32 values, take integer dot
     products per block and scale them by both block scales. Integer block sums stay below 2^24, so fp32 holds
-    them exactly and packed and unpacked give the same bits. Other types take the exact path in both modes
-    for now: the GPU's rounding for the k-quants comes with their kernels (issue 30).
+    them exactly and packed and unpacked give the same bits. For the 4/5/6-bit types it multiplies the exact
+    weights by x rounded to int8 as the GPU quantises it (the GPU's sums then differ only in fp32 order); float
+    weights take the exact path in both modes.
     """
 
     ROW_BLOCK_VALUES = 1 << 22
@@ -89,6 +90,7 @@ class Linear:
         self.file_bytes = info.n_bytes
         self.out_features, self.in_features = info.shape
         self._int8_path = mirror_gpu and info.type == GGMLQuantizationType.Q8_0
+        self._rounds_input = mirror_gpu and info.type in INT8_ACTIVATION_TYPES  # 4/5/6-bit: x to int8 first
         self._packed: np.ndarray | None = model_file.raw_rows(name)  # [out, bytes a row], a view of the file
         self._weight: np.ndarray | None = None  # exact path, unpacked: [out, in]
         self._int8: tuple[np.ndarray, np.ndarray] | None = None  # int8 path, unpacked: see `_int8_parts`
@@ -121,6 +123,8 @@ class Linear:
         x = x.astype(np.float32, copy=False)
         if self._int8_path:
             return self._int8_matmul(x)
+        if self._rounds_input:
+            x = int8_rounded(x)
         if self._weight is not None:
             return x @ self._weight.T
         assert self._packed is not None

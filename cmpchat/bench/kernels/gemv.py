@@ -33,7 +33,7 @@ from cmpchat.cudart.profile import time_launches
 from cmpchat.cudart.selftest_kernels import count_launch
 from cmpchat.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
 from cmpchat.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, gemv_q8_fused_launch
-from cmpchat.kernels.gemv_kquant import ARRAY_DTYPES, FORMATS, KQuantArrays, kquant_matmul_launch
+from cmpchat.kernels.gemv_kquant import ARRAY_DTYPES, FORMATS, KQuantArrays, KQuantFormat, kquant_matmul_launch
 from cmpchat.kernels.quantize import QUANT_BLOCK
 from cmpchat.model.builder import MODEL_SHAPES
 
@@ -136,6 +136,18 @@ class _DeviceProblem:
         return time_launches(launches, repeats, warmup, early_launch=self.early_launch) / len(launches)
 
 
+def random_kquant_copies(
+    fmt: KQuantFormat, rows: int, cols: int, rng: np.random.Generator, copies: int
+) -> list[KQuantArrays]:
+    """`copies` device copies of one matrix of random bits in `fmt`'s layout (a matmul's time does not depend
+    on the values)."""
+    host = {
+        k: rng.integers(0, 256, (n, m * np.dtype(ARRAY_DTYPES[k]).itemsize), dtype=np.uint8).view(ARRAY_DTYPES[k])
+        for k, (n, m) in fmt.shapes(rows, cols).items()
+    }
+    return [KQuantArrays(**{k: cuda.to_device(v) for k, v in host.items()}) for _ in range(copies)]
+
+
 def benchmark_kquant_gemv(
     type_name: str, rows: int, cols: int, tokens: int, *, mode: str, name: str = "", repeats: int = 30,
     seed: int = 0, cycle_bytes: int = 1 << 30,
@@ -144,14 +156,8 @@ def benchmark_kquant_gemv(
     arrays are random bits (the time does not depend on the values), in copies totalling `cycle_bytes`."""
     fmt = FORMATS[GGMLQuantizationType[type_name]]
     rng = np.random.default_rng(seed)
-    shapes = fmt.shapes(rows, cols)
-    host = {
-        k: rng.integers(0, 256, (n, m * np.dtype(ARRAY_DTYPES[k]).itemsize), dtype=np.uint8).view(ARRAY_DTYPES[k])
-        for k, (n, m) in shapes.items()
-    }
     weight = fmt.matrix_bytes(rows, cols)
-    copies = max(1, -(-cycle_bytes // weight))
-    arrays = [KQuantArrays(**{k: cuda.to_device(v) for k, v in host.items()}) for _ in range(copies)]
+    arrays = random_kquant_copies(fmt, rows, cols, rng, max(1, -(-cycle_bytes // weight)))
     x_quants = cuda.to_device(rng.integers(-127, 128, (tokens, cols), dtype=np.int8).view(np.uint32))
     x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
     out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
