@@ -334,8 +334,8 @@ def open_model(
     (False: launch kernels one by one, for debugging). Engine options: `max_waiting` requests queued beyond the running ones,
     `prefill_chunk` prompt tokens read between decode steps. `kv`: the KV cache's format
     (`cmpchat.kv_formats`: "f16", "q8", "tq3", "q8k-tq3v"; "naive3" and "q4_0" are measurement baselines);
-    default the backend's own (the GPU's fp16, the CPU's fp32 or, with `mirror_gpu`, fp16). The compressed
-    formats run on the CPU reference only for now. `mmproj`: the vision projector (default: the mmproj file
+    default the backend's own (the GPU's fp16, the CPU's fp32 or, with `mirror_gpu`, fp16); the baselines run
+    on the CPU reference only. `mmproj`: the vision projector (default: the mmproj file
     beside the model, if there is one); `image_budget` the pixel area images are resized within (default
     Qwen3.5's, 64 to 16384 tokens an image; on cuda at most `CUDA_IMAGE_MAX_PIXELS`). On cuda the encoder runs
     on the first stage's GPU, whose memory plan reserves its weights and its scratch at the budget's largest
@@ -370,11 +370,6 @@ def open_model(
     encoder_gpu = None
     """Where images are encoded: the first stage's GPU on cuda, where they enter the pipeline; None: numpy."""
     if backend == "cuda":
-        if kv_format is not None and kv_format is not F16:
-            raise CmpchatError(
-                f"the {kv_format.name} KV cache is available on the CPU reference backend only for now "
-                "(--backend cpu); the cuda backend keeps an f16 cache"
-            )
         from cmpchat.backends.gpu.model import CudaBackend
         from cmpchat.vision.gpu_encoder import device_bytes
 
@@ -396,6 +391,7 @@ def open_model(
             use_graphs=use_graphs,
             progress=progress,
             image_encoder_bytes=encoder_bytes,
+            kv=(kv_format or F16).name,
         )
         encoder_gpu = gpu_backend.stages[0].gpu.index
     else:

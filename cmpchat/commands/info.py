@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from cmpchat.commands.model_args import add_kv_argument
 from cmpchat.errors import CmpchatError
+from cmpchat.kv_formats import F16
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
@@ -22,6 +24,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", metavar="LIST", help="layers per stage, e.g. 22,22,20")
     parser.add_argument("--ctx", type=int, metavar="N", help="most tokens of context per conversation")
     parser.add_argument("--slots", type=int, default=1, metavar="N", help="replies decoded together (default 1)")
+    add_kv_argument(parser, "(default f16): plan the GPU's KV pool in it")
     parser.set_defaults(handler=run)
 
 
@@ -44,7 +47,8 @@ def gpu_plan(model_file: ModelFile, config: ModelConfig, args: argparse.Namespac
     from cmpchat.kernels.device_table import SM_70
 
     gpu_mem, gpus, split = gpu_memory(args.gpu_mem), int_list(args.gpus, "--gpus"), int_list(args.split, "--split")
-    options = {"sequences": args.slots + 4, "context": args.ctx, "kv_tokens": None, "gpu_mem": gpu_mem, "split": split}
+    options = {"sequences": args.slots + 4, "context": args.ctx, "kv_tokens": None, "gpu_mem": gpu_mem, "split": split,
+               "kv": args.kv or F16.name}  # fmt: skip
     lookup: Callable[[int], GpuInfo] = gpu_info
     available: Callable[[], int] = gpu_count
     tuning = None

@@ -50,12 +50,13 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-tokens", type=int, metavar="N", help="most tokens the shared KV cache holds (default: what fits)"
     )
+    add_kv_argument(parser, "(default: f16 on the GPU, fp32 on the CPU)")
+
+
+def add_kv_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """The `--kv FORMAT` option; `default` says what its absence means."""
     parser.add_argument(
-        "--kv",
-        choices=list(FORMATS),
-        metavar="FORMAT",
-        help="KV cache format: " + ", ".join(FORMATS) + " (default: f16 on the GPU, fp32 on the CPU; the "
-        "compressed ones run on --backend cpu only for now)",
+        "--kv", choices=list(FORMATS), metavar="FORMAT", help="KV cache format: " + ", ".join(FORMATS) + f" {default}"
     )
 
 

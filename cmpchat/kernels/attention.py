@@ -305,11 +305,10 @@ def attention_combine(partial_acc, partial_ml, qkv, positions, capacity, tile, m
 
 
 @cuda.jit(device=True, inline=True)
-def merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active):
-    """Dim `dim` of (row, head)'s attention output: its first `active` split partials merged with weights
-    exp(m_s - max), normalised, times sigmoid(gate) (the gate read from the fused projection output). One
-    thread per dim, the splits one after another: prefill's combine, whose many rows fill the GPU."""
-    head_dim = partial_acc.shape[3]
+def merge_splits(partial_acc, partial_ml, row, head, dim, active):
+    """Dim `dim` of (row, head)'s attention: its first `active` split partials merged with weights
+    exp(m_s - max), normalised. One thread per dim, the splits one after another: prefill's combine, whose
+    many rows fill the GPU."""
     top = _NEG
     for s in range(active):
         top = max(top, partial_ml[row, head, s, 0])
@@ -319,8 +318,15 @@ def merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active):
         weight = math.exp(partial_ml[row, head, s, 0] - top)
         total += weight * partial_acc[row, head, s, dim]
         norm += weight * partial_ml[row, head, s, 1]
+    return total / norm
+
+
+@cuda.jit(device=True, inline=True)
+def gated(attended, qkv, row, head, dim, head_dim):
+    """`attended` (dim `dim` of head `head`'s attention) times sigmoid(gate), the gate read from the fused
+    projection output."""
     gate = qkv[row, (2 * head + 1) * head_dim + dim]
-    return total / norm / (float32(1) + math.exp(-gate))
+    return attended / (float32(1) + math.exp(-gate))
 
 
 # --- launchers -------------------------------------------------------------------------------------------

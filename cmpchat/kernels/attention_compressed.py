@@ -48,6 +48,7 @@ from cmpchat.kernels.attention import (
     DecodeAttentionConfig,
     attention_combine,
     check_row_inputs,
+    gated,
     partial_buffer_shapes,
     split_tokens,
 )
@@ -56,6 +57,7 @@ from cmpchat.kernels.kv_codes import (
     INV_SQRT_BLOCK,
     LANE_VALUES,
     TQ3_BOOK,
+    TQ3_CODES,
     TQ3_SIGNS,
     check_caches,
     q8_value,
@@ -95,6 +97,33 @@ def _rotate_lane_values(values, count, chunk):
             partner = shfl_xor_f32(values[j], mask)
             values[j] = partner - values[j] if upper else values[j] + partner
         mask *= 2
+
+
+@cuda.jit(device=True, inline=True)
+def rotate_lane_queries(values, count, chunk):
+    """`kv_formats.rotate` of the vectors whose dims 8 chunk .. 8 chunk + 7 a lane holds in `values` (groups of
+    8, `count` in all): the sign flip, the butterflies, 1/sqrt(128). Uniform: shuffles."""
+    for j in range(count):
+        values[j] *= TQ3_SIGNS[(chunk * LANE_VALUES + j % LANE_VALUES) % TQ3_BLOCK]
+    _rotate_lane_values(values, count, chunk)
+    for j in range(count):
+        values[j] *= INV_SQRT_BLOCK
+
+
+@cuda.jit(device=True, inline=True)
+def unrotate_block(rotated, base, i, writes):
+    """Value i of `kv_formats.unrotate` of the 128-block at rotated[base:] (shared memory): the butterflies in
+    place, 1/sqrt(128), the sign flip. Every thread of the block calls it (barriers); those with `writes`
+    (one per value i) update the block."""
+    half = 1
+    while half < TQ3_BLOCK:
+        mine, partner = rotated[base + i], rotated[base + (i ^ half)]
+        cuda.syncthreads()
+        if writes:
+            rotated[base + i] = mine + partner if i & half == 0 else partner - mine
+        cuda.syncthreads()
+        half *= 2
+    return rotated[base + i] * INV_SQRT_BLOCK * TQ3_SIGNS[i]
 
 
 def _signature(format_name: str) -> str:
@@ -159,15 +188,10 @@ def _partial_kernel(format_name: str, group: int, head_dim: int, warps: int, unr
             running_max[g] = _NEG
             running_sum[g] = float32(0)
             for i in range(LANE_VALUES):
-                x = q[row, kv_head * group + g, chunk * LANE_VALUES + i]
-                if key_tq3:
-                    x *= TQ3_SIGNS[(chunk * LANE_VALUES + i) % TQ3_BLOCK]
-                query[g * LANE_VALUES + i] = x
+                query[g * LANE_VALUES + i] = q[row, kv_head * group + g, chunk * LANE_VALUES + i]
                 acc[g * LANE_VALUES + i] = float32(0)
         if key_tq3:
-            _rotate_lane_values(query, lane_values, chunk)
-            for j in range(lane_values):
-                query[j] = query[j] * INV_SQRT_BLOCK  # = kv_formats.rotate(q), then the score scale
+            rotate_lane_queries(query, lane_values, chunk)  # then the score scale
         for j in range(lane_values):
             query[j] *= scale
         cuda.syncthreads()  # the codebook
@@ -337,18 +361,39 @@ def attention_combine_unrotate(partial_acc, partial_ml, qkv, positions, capacity
             total += sums[other * TQ3_BLOCK + i]
         rotated[i] = total / norm
     cuda.syncthreads()
-    half = 1
-    while half < TQ3_BLOCK:
-        mine, partner = rotated[i], rotated[i ^ half]
-        cuda.syncthreads()
-        if part == 0:
-            rotated[i] = mine + partner if i & half == 0 else partner - mine
-        cuda.syncthreads()
-        half *= 2
+    attended = unrotate_block(rotated, 0, i, part == 0)
     if part == 0:
-        gate = qkv[row, (2 * head + 1) * head_dim + dim]
-        attended = rotated[i] * INV_SQRT_BLOCK * TQ3_SIGNS[i]
-        out[row, head * head_dim + dim] = attended / (float32(1) + math.exp(-gate))
+        out[row, head * head_dim + dim] = gated(attended, qkv, row, head, dim, head_dim)
+
+
+@kernel("void(float32[::1], int32)", early_launch=True)
+def rotate_queries(q, head_dim):
+    """Every vector of q (flat, hd values each) through `kv_formats.rotate`, in place: prefill attention over
+    tq3 keys scores in their domain. A block is one warp of 32 / (hd / 8) vectors, a lane 8 dims of one."""
+    wait_for_prior_grids()
+    allow_dependent_grids()
+    lanes_per_row = head_dim // LANE_VALUES
+    lane = cuda.threadIdx.x
+    vector = cuda.blockIdx.x * (WARP_SIZE // lanes_per_row) + lane // lanes_per_row
+    chunk = lane % lanes_per_row
+    present = vector * head_dim < q.shape[0]
+    base = vector * head_dim + chunk * LANE_VALUES
+    values = cuda.local.array(LANE_VALUES, float32)
+    for i in range(LANE_VALUES):
+        values[i] = q[base + i] if present else float32(0)
+    rotate_lane_queries(values, LANE_VALUES, chunk)  # every lane: the shuffles stay uniform
+    if present:
+        for i in range(LANE_VALUES):
+            q[base + i] = values[i]
+
+
+def rotate_queries_launch(q: Any) -> Launch:
+    """The launch that rotates q fp32 [R, H, hd] in place into tq3's domain (`rotate_queries`)."""
+    rows, num_heads, head_dim = check_array(q, "q", np.float32, 3)
+    TQ3_CODES.check(head_dim)
+    per_block = WARP_SIZE // (head_dim // LANE_VALUES)
+    blocks = -(-rows * num_heads // per_block)
+    return Launch(rotate_queries, max(blocks, 1), WARP_SIZE, (q.reshape(-1), np.int32(head_dim)))
 
 
 def compressed_decode_attention(

@@ -72,6 +72,15 @@ Tiling of the partial kernel (`PrefillAttentionConfig`; GPU defaults in brackets
   are re-read per key tile from L1/L2 (M x hd x 4 bytes next to Bk x hd x 4 of K and V).
 The simulator runs one Python thread per CUDA thread: its tests use 2-warp blocks, 32-key tiles and
 smaller rounds (the same body).
+
+Over a compressed cache (`compressed_prefill_attention`, the formats of `kv_codes.GPU_FORMATS`) the same body
+stages the codes' values instead of fp16 (`_cache_reader`): a thread's 16-byte load of 8 fp16 values becomes
+the codes of those 8 dims (tq3: its 24 bits, one or two words, `kv_codes.tq3_lane_bits`; q8: two words) and
+their scale, decoded to fp32 when staged (tq3: codebook level x the 128-block's scale, the 8 levels in shared
+memory; q8: int8 x the fp16 scale of its 32). Attention runs in the codes' domain, as `attention_compressed`:
+for tq3 keys q is rotated in place first (`rotate_queries`: `kv_formats.rotate`), for tq3 values the combine
+rotates each head's merged output back before the gate (`attention_prefill_combine_unrotate`). The rounds'
+shapes, shared memory and registers are the fp16 kernel's (ptxas: G=4 234-238, G=6 189-191, no spills).
 """
 
 from __future__ import annotations
@@ -102,12 +111,28 @@ from cmpchat.kernels.attention import (
     POSITION_COLUMNS,
     _words,
     check_kv_cache,
-    merge_splits_gated,
+    gated,
+    merge_splits,
     split_tokens,
 )
+from cmpchat.kernels.attention_compressed import rotate_queries_launch, unrotate_block
+from cmpchat.kernels.kv_codes import (
+    GPU_FORMATS,
+    LANE_VALUES,
+    TQ3_BOOK,
+    CodeArrays,
+    check_caches,
+    q8_value,
+    tq3_lane_bits,
+)
+from cmpchat.kv_formats import TQ3_BLOCK
 
 SHARED_ALIGNMENT = None if SIMULATOR else 16  # lets the compiler use 16-byte shared loads and stores
 MAX_GRID_YZ = 65535
+FP16_SOURCE = "f16"
+"""The partial kernel's source for the fp16 cache; the compressed ones are named as `kv_codes.GPU_FORMATS`."""
+TQ3_LEVELS = 8
+MAX_UNROTATE_DIM = 256  # the compressed codes' largest head size (`kv_codes.CodeArrays.check`)
 
 
 # --- configuration ---------------------------------------------------------------------------------------
@@ -229,16 +254,75 @@ def _store_halves(stage, target, w0, w1, w2, w3):
     stage[target + uint64(6)], stage[target + uint64(7)] = unpack_f16x2(w3)
 
 
+def _cache_reader(codec: CodeArrays | None, head_dim: int) -> tuple[Any, Any]:
+    """(fetch, store) of the 8 values of one (cache row, 8-dim chunk) of a K or V cache with these codes (None:
+    fp16). fetch(codes, scales, cache row, chunk) -> 4 words and a scale: the raw loads, held in registers
+    across a round; store(stage, target, words, scale, book) writes the 8 values as fp32 to stage[target:],
+    in the codes' domain (tq3: rotated; `book` the codebook in shared memory). Zero words and scale are 8 zeros."""
+    if codec is None:
+        words_per_row = head_dim // 2
+
+        @cuda.jit(device=True, inline=True)
+        def fetch_f16(codes, scales, cache_row, chunk):
+            w0, w1, w2, w3 = load_u32x4(codes, cache_row * words_per_row + 4 * chunk)
+            return w0, w1, w2, w3, float32(0)
+
+        @cuda.jit(device=True, inline=True)
+        def store_f16(stage, target, w0, w1, w2, w3, scale, book):
+            _store_halves(stage, target, w0, w1, w2, w3)
+
+        return fetch_f16, store_f16
+    words = codec.codes_per_vector(head_dim) * np.dtype(codec.code_dtype).itemsize // 4
+    scales_per_row, chunks_per_scale = codec.scales_per_vector(head_dim), codec.values_per_scale // LANE_VALUES
+    if codec.name == "tq3":
+
+        @cuda.jit(device=True, inline=True)
+        def fetch_tq3(codes, scales, cache_row, chunk):
+            bits = tq3_lane_bits(codes, cache_row * words, chunk)
+            scale = scales[cache_row * scales_per_row + chunk // chunks_per_scale]
+            return bits, uint32(0), uint32(0), uint32(0), float32(scale)
+
+        @cuda.jit(device=True, inline=True)
+        def store_tq3(stage, target, w0, w1, w2, w3, scale, book):
+            for i in range(LANE_VALUES):
+                stage[target + uint64(i)] = book[(w0 >> uint32(3 * i)) & uint32(7)] * scale
+
+        return fetch_tq3, store_tq3
+
+    @cuda.jit(device=True, inline=True)
+    def fetch_q8(codes, scales, cache_row, chunk):
+        word = cache_row * words + 2 * chunk
+        scale = scales[cache_row * scales_per_row + chunk // chunks_per_scale]
+        return codes[word], codes[word + 1], uint32(0), uint32(0), float32(scale)
+
+    @cuda.jit(device=True, inline=True)
+    def store_q8(stage, target, w0, w1, w2, w3, scale, book):
+        for i in range(4):
+            stage[target + uint64(i)] = q8_value(w0, i) * scale
+            stage[target + uint64(4 + i)] = q8_value(w1, i) * scale
+
+    return fetch_q8, store_q8
+
+
 # --- kernels ---------------------------------------------------------------------------------------------
 
-_PARTIAL_SIGNATURE = (
-    "void(float32[::1], int32[:, ::1], int32[:, ::1], uint32[::1], uint32[::1], int32, int32, int32, "
-    "float32[:, :, :, ::1], float32[:, :, :, ::1])"
-)
+
+def _partial_signature(source: str) -> str:
+    """fp16: the K and V caches as words; a compressed format: their codes as words and their scales."""
+    if source == FP16_SOURCE:
+        caches = "uint32[::1], uint32[::1]"
+    else:
+        key_scales, value_scales = (np.dtype(codec.scale_dtype).name for codec in GPU_FORMATS[source])
+        caches = f"uint32[::1], {key_scales}[::1], uint32[::1], {value_scales}[::1]"
+    return (
+        f"void(float32[::1], int32[:, ::1], int32[:, ::1], {caches}, int32, int32, int32, "
+        "float32[:, :, :, ::1], float32[:, :, :, ::1])"
+    )
 
 
 @cache
 def _partial_kernel(
+    source: str,
     group: int,
     head_dim: int,
     warps: int,
@@ -248,7 +332,11 @@ def _partial_kernel(
     pv_keys: int,
     blocks_per_sm: int,
 ) -> Any:
-    """The partial kernel specialised for G, hd and the tiling (register arrays need constant sizes)."""
+    """The partial kernel specialised for the cache's format (`source`: "f16" or one of `GPU_FORMATS`), G, hd and
+    the tiling (register arrays need constant sizes)."""
+    codecs = (None, None) if source == FP16_SOURCE else GPU_FORMATS[source]
+    (fetch_key, store_key), (fetch_value, store_value) = (_cache_reader(codec, head_dim) for codec in codecs)
+    needs_book = any(codec is not None and codec.name == "tq3" for codec in codecs)
     threads = warps * WARP_SIZE
     rows = warp_tokens * group  # TM: query vectors per warp
     block_rows = warps * rows  # M
@@ -266,15 +354,16 @@ def _partial_kernel(
     qk_rounds, pv_rounds = head_dim // qk_dims, tile // pv_keys
     q_groups, k_groups, v_groups = qk_dims // 4, qk_dims // 8, head_dim // 8  # 16-byte loads per staged row
     q_loads, k_loads, v_loads = block_rows * q_groups, tile * k_groups, pv_keys * v_groups
-    words_per_row = head_dim // 2
     # Register arrays (sizes must be plain constants when Numba types the kernel).
     acc_size, score_size, weight_size, key_size = rows * lane_dims, rows * key_lanes, rows * 4, key_lanes * 4
     q_per_thread, k_per_thread, v_per_thread = (-(-count // threads) for count in (q_loads, k_loads, v_loads))
-    fetched_q_size, fetched_size = 4 * q_per_thread, 4 * max(k_per_thread, v_per_thread)
+    fetched_q_size, fetched_loads = 4 * q_per_thread, max(k_per_thread, v_per_thread)
+    fetched_size = 4 * fetched_loads
 
-    def attention_prefill_partial(
-        q, positions, page_table, k_words, v_words, num_kv_heads, page_tokens, min_split_tokens, partial_acc,
-        partial_ml,
+    @cuda.jit(device=True, inline=True)
+    def partial(
+        q, positions, page_table, k_codes, k_scales, v_codes, v_scales, num_kv_heads, page_tokens, min_split_tokens,
+        partial_acc, partial_ml,
     ):  # fmt: skip
         q_tile, kv_head, split = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         thread = cuda.threadIdx.x
@@ -298,7 +387,10 @@ def _partial_kernel(
         weights = cuda.local.array(weight_size, float32)
         values = cuda.local.array(lane_dims, float32)
         fetched_q = cuda.local.array(fetched_q_size, float32)  # the next round's staging loads
+        # The raw words (and scales) of the next round's K or V; decoded when staged, after the barrier, so the
+        # loads stay in flight behind this round's FMAs (decoding them at once would wait for them here).
         fetched = cuda.local.array(fetched_size, uint32)
+        fetched_scales = cuda.local.array(fetched_loads, float32)
         for t in range(warp_tokens):
             row = first_row + warp * warp_tokens + t
             limit = int64(-1)
@@ -315,6 +407,9 @@ def _partial_kernel(
 
         stage = cuda.shared.array(stage_size, float32, alignment=SHARED_ALIGNMENT)
         probs = cuda.shared.array(probs_size, float32, alignment=SHARED_ALIGNMENT)
+        book = cuda.shared.array(TQ3_LEVELS, float32)  # tq3's levels; published by the first round's barrier
+        if needs_book and thread < TQ3_LEVELS:
+            book[thread] = TQ3_BOOK[thread]
         # Shared-memory indices are unsigned: Numba adds a negative-index test to every signed one.
         my_probs = uint64(warp * warp_probs + lane)  # this lane's key of each row of the warp's P
         my_weights = uint64(warp * warp_probs)
@@ -339,15 +434,15 @@ def _partial_kernel(
                         index = thread + n * threads
                         if index < k_loads:
                             target = uint64(q_size + index // k_groups * k_pitch + index % k_groups * 8)
-                            _store_halves(stage, target, fetched[4 * n], fetched[4 * n + 1], fetched[4 * n + 2],
-                                          fetched[4 * n + 3])  # fmt: skip
+                            store_key(stage, target, fetched[4 * n], fetched[4 * n + 1], fetched[4 * n + 2],
+                                      fetched[4 * n + 3], fetched_scales[n], book)  # fmt: skip
                 else:
                     for n in range(v_per_thread):
                         index = thread + n * threads
                         if index < v_loads:
                             target = uint64(index // v_groups * head_dim + index % v_groups * 8)
-                            _store_halves(stage, target, fetched[4 * n], fetched[4 * n + 1], fetched[4 * n + 2],
-                                          fetched[4 * n + 3])  # fmt: skip
+                            store_value(stage, target, fetched[4 * n], fetched[4 * n + 1], fetched[4 * n + 2],
+                                        fetched[4 * n + 3], fetched_scales[n], book)  # fmt: skip
                 cuda.syncthreads()
             if step < total_rounds:  # load round `step` into registers (zeros past the ends)
                 phase = step % per_tile
@@ -370,21 +465,25 @@ def _partial_kernel(
                     for n in range(k_per_thread):
                         index = thread + n * threads
                         w0 = w1 = w2 = w3 = uint32(0)
+                        code_scale = float32(0)
                         key = index // k_groups
                         if index < k_loads and key < tile_keys:  # past the split's end: zeros (maybe unwritten)
-                            row_word = ((first_key + key) * num_kv_heads + kv_head) * words_per_row
-                            column = (phase * qk_dims + index % k_groups * 8) // 2
-                            w0, w1, w2, w3 = load_u32x4(k_words, row_word + column)
+                            cache_row = (first_key + key) * num_kv_heads + kv_head
+                            chunk = phase * k_groups + index % k_groups
+                            w0, w1, w2, w3, code_scale = fetch_key(k_codes, k_scales, cache_row, chunk)
                         fetched[4 * n], fetched[4 * n + 1], fetched[4 * n + 2], fetched[4 * n + 3] = w0, w1, w2, w3
+                        fetched_scales[n] = code_scale
                 else:
                     for n in range(v_per_thread):
                         index = thread + n * threads
                         w0 = w1 = w2 = w3 = uint32(0)
+                        code_scale = float32(0)
                         key = (phase - qk_rounds) * pv_keys + index // v_groups
                         if index < v_loads and key < tile_keys:
-                            row_word = ((first_key + key) * num_kv_heads + kv_head) * words_per_row
-                            w0, w1, w2, w3 = load_u32x4(v_words, row_word + index % v_groups * 4)
+                            cache_row = (first_key + key) * num_kv_heads + kv_head
+                            w0, w1, w2, w3, code_scale = fetch_value(v_codes, v_scales, cache_row, index % v_groups)
                         fetched[4 * n], fetched[4 * n + 1], fetched[4 * n + 2], fetched[4 * n + 3] = w0, w1, w2, w3
+                        fetched_scales[n] = code_scale
             if step == 0:
                 continue
             phase = (step - 1) % per_tile
@@ -467,14 +566,33 @@ def _partial_kernel(
                     partial_ml[row, head, split, 0] = row_max[r]
                     partial_ml[row, head, split, 1] = total
 
-    name = f"attention_prefill_partial_g{group}_d{head_dim}_w{warps}_t{warp_tokens}_k{key_lanes}_q{qk_dims}_v{pv_keys}"
+    def over_fp16(
+        q, positions, page_table, k_words, v_words, num_kv_heads, page_tokens, min_split_tokens, partial_acc,
+        partial_ml,
+    ):  # fmt: skip
+        # fp16 rows have no scales: the readers take the words in their place and ignore them
+        partial(q, positions, page_table, k_words, k_words, v_words, v_words, num_kv_heads, page_tokens,
+                min_split_tokens, partial_acc, partial_ml)  # fmt: skip
+
+    def over_codes(
+        q, positions, page_table, k_codes, k_scales, v_codes, v_scales, num_kv_heads, page_tokens, min_split_tokens,
+        partial_acc, partial_ml,
+    ):  # fmt: skip
+        partial(q, positions, page_table, k_codes, k_scales, v_codes, v_scales, num_kv_heads, page_tokens,
+                min_split_tokens, partial_acc, partial_ml)  # fmt: skip
+
+    attention_prefill_partial = over_fp16 if source == FP16_SOURCE else over_codes
+    prefix = "attention_prefill" if source == FP16_SOURCE else f"attention_prefill_{source.replace('-', '_')}"
+    name = f"{prefix}_partial_g{group}_d{head_dim}_w{warps}_t{warp_tokens}_k{key_lanes}_q{qk_dims}_v{pv_keys}"
     attention_prefill_partial.__name__ = attention_prefill_partial.__qualname__ = name
-    return kernel(_PARTIAL_SIGNATURE, launch_bounds=(threads, blocks_per_sm))(attention_prefill_partial)
+    return kernel(_partial_signature(source), launch_bounds=(threads, blocks_per_sm))(attention_prefill_partial)
 
 
-def partial_kernel(group: int, head_dim: int, config: PrefillAttentionConfig) -> Any:
-    """The partial kernel for G, hd and the config's tiling (defined and registered on first use)."""
+def partial_kernel(group: int, head_dim: int, config: PrefillAttentionConfig, source: str = FP16_SOURCE) -> Any:
+    """The partial kernel over a `source` cache ("f16" or one of `kv_codes.GPU_FORMATS`) for G, hd and the
+    config's tiling (defined and registered on first use)."""
     return _partial_kernel(
+        source,
         group,
         head_dim,
         config.warps,
@@ -489,28 +607,60 @@ def partial_kernel(group: int, head_dim: int, config: PrefillAttentionConfig) ->
 # The released Qwen3.5 sizes have G = 4 (0.8B-9B) or 6 (27B) and hd 256: registered now so the PTX and SASS
 # checks see them; other shapes (the tests' tiny ones) register on first use.
 for _group in (4, 6):
-    partial_kernel(_group, 256, PrefillAttentionConfig(num_splits=1))
-del _group
+    for _source in (FP16_SOURCE, *GPU_FORMATS):
+        partial_kernel(_group, 256, PrefillAttentionConfig(num_splits=1), _source)
+del _group, _source
 
-
-@kernel(
+_COMBINE_SIGNATURE = (
     "void(float32[:, :, :, ::1], float32[:, :, :, ::1], float32[:, ::1], int32[:, ::1], int32, int32, int32, int32, "
     "float32[:, ::1])"
 )
+
+
+@cuda.jit(device=True, inline=True)
+def _row_splits(partial_acc, positions, row, capacity, query_tokens, tile, min_split_tokens):
+    """The splits holding keys 0..index of `row` (each at least one), or 0 for an inactive row."""
+    index = positions[row, 0]
+    if index < 0 or index >= capacity:
+        return 0
+    length, _ = query_tile_extent(positions, row // query_tokens * query_tokens, query_tokens, capacity)
+    per_split = split_tokens(length, partial_acc.shape[2], min_split_tokens, tile)
+    return (index + per_split) // per_split
+
+
+@kernel(_COMBINE_SIGNATURE)
 def attention_prefill_combine(
     partial_acc, partial_ml, qkv, positions, capacity, query_tokens, tile, min_split_tokens, out
 ):
     """out[row, head] = the splits' partials merged (weights exp(m_s - max)), normalised, times sigmoid(gate)."""
     head, row, dim = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     head_dim = partial_acc.shape[3]
-    index = positions[row, 0]
-    if index < 0 or index >= capacity:
+    active = _row_splits(partial_acc, positions, row, capacity, query_tokens, tile, min_split_tokens)
+    if active == 0:
         out[row, head * head_dim + dim] = float32(0)
         return
-    length, _ = query_tile_extent(positions, row // query_tokens * query_tokens, query_tokens, capacity)
-    per_split = split_tokens(length, partial_acc.shape[2], min_split_tokens, tile)
-    active = (index + per_split) // per_split  # the splits holding keys 0..index, each at least one
-    out[row, head * head_dim + dim] = merge_splits_gated(partial_acc, partial_ml, qkv, row, head, dim, active)
+    merged = merge_splits(partial_acc, partial_ml, row, head, dim, active)
+    out[row, head * head_dim + dim] = gated(merged, qkv, row, head, dim, head_dim)
+
+
+@kernel(_COMBINE_SIGNATURE)
+def attention_prefill_combine_unrotate(
+    partial_acc, partial_ml, qkv, positions, capacity, query_tokens, tile, min_split_tokens, out
+):
+    """`attention_prefill_combine` over tq3 values: the merged head output is rotated back
+    (`kv_formats.unrotate`, per 128-block in shared memory) before the gate."""
+    head, row, dim = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    head_dim = partial_acc.shape[3]
+    active = _row_splits(partial_acc, positions, row, capacity, query_tokens, tile, min_split_tokens)
+    if active == 0:  # the whole block: the barriers below stay uniform
+        out[row, head * head_dim + dim] = float32(0)
+        return
+    rotated = cuda.shared.array(MAX_UNROTATE_DIM, float32)
+    rotated[dim] = merge_splits(partial_acc, partial_ml, row, head, dim, active)
+    cuda.syncthreads()
+    block = dim // TQ3_BLOCK
+    attended = unrotate_block(rotated, block * TQ3_BLOCK, dim - block * TQ3_BLOCK, True)
+    out[row, head * head_dim + dim] = gated(attended, qkv, row, head, dim, head_dim)
 
 
 # --- launcher --------------------------------------------------------------------------------------------
@@ -536,8 +686,62 @@ def prefill_attention(
     `partial_buffer_shapes`; out fp32 [R, H*hd] = attention * sigmoid(gate). Device-data assumptions are in
     the module docstring.
     """
-    rows, num_heads, head_dim = check_array(q, "q", np.float32, 3)
+    head_dim = check_array(q, "q", np.float32, 3)[2]
     _, page_tokens, num_kv_heads, _ = check_kv_cache(k_cache, v_cache, head_dim)
+    caches = (_words(k_cache), _words(v_cache))
+    return _launches(q, qkv, positions, page_table, caches, num_kv_heads, page_tokens, FP16_SOURCE,
+                     attention_prefill_combine, partial_acc, partial_ml, out, config)  # fmt: skip
+
+
+def compressed_prefill_attention(
+    q: Any,
+    qkv: Any,
+    positions: Any,
+    page_table: Any,
+    caches: tuple[Any, ...],
+    format_name: str,
+    partial_acc: Any,
+    partial_ml: Any,
+    out: Any,
+    config: PrefillAttentionConfig,
+) -> list[Launch]:
+    """The launches of one prefill-attention step over a compressed cache (run them in order): as
+    `prefill_attention`, with caches = (key codes, key scales, value codes, value scales) of the `format_name`
+    format (`kv_codes`, written by `kv_write`), attended in the codes' domain as `attention_compressed`: for
+    tq3 keys q is first rotated in place (`rotate_queries`), for tq3 values the combine rotates each head's
+    output back before the gate."""
+    head_dim = check_array(q, "q", np.float32, 3)[2]
+    if not caches or len(caches[0].shape) != 4:
+        raise ValueError("a compressed cache is 4 arrays [pages, page_tokens, Hkv, n]")
+    num_kv_heads = int(caches[0].shape[2])
+    _, page_tokens = check_caches(caches, format_name, num_kv_heads, head_dim)
+    k_codes, k_scales, v_codes, v_scales = (array.reshape(-1) for array in caches)
+    flat = (k_codes.view(np.uint32), k_scales, v_codes.view(np.uint32), v_scales)
+    key, value = GPU_FORMATS[format_name]
+    combine = attention_prefill_combine_unrotate if value.name == "tq3" else attention_prefill_combine
+    launches = _launches(q, qkv, positions, page_table, flat, num_kv_heads, page_tokens, format_name, combine,
+                         partial_acc, partial_ml, out, config)  # fmt: skip
+    return [rotate_queries_launch(q), *launches] if key.name == "tq3" else launches
+
+
+def _launches(
+    q: Any,
+    qkv: Any,
+    positions: Any,
+    page_table: Any,
+    flat_caches: tuple[Any, ...],
+    num_kv_heads: int,
+    page_tokens: int,
+    source: str,
+    combine_kernel: Any,
+    partial_acc: Any,
+    partial_ml: Any,
+    out: Any,
+    config: PrefillAttentionConfig,
+) -> list[Launch]:
+    """The partial launch over the `source` cache (its arrays flat) and the `combine_kernel` launch, the
+    arguments checked."""
+    rows, num_heads, head_dim = check_array(q, "q", np.float32, 3)
     if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
         raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads: need a group of 1..{MAX_GROUP}")
     check_array(positions, "positions", np.int32, 2, (rows, POSITION_COLUMNS))
@@ -565,16 +769,14 @@ def prefill_attention(
         raise ValueError("too many KV heads or rows for one grid")
     min_split = -(-config.min_split_tokens // tile) * tile
     partial = Launch(
-        partial_kernel(group, head_dim, config),
+        partial_kernel(group, head_dim, config, source),
         (tiles, num_kv_heads, config.num_splits),
         config.threads,
-        (
-            q.reshape(-1), positions, page_table, _words(k_cache), _words(v_cache), np.int32(num_kv_heads),
-            np.int32(page_tokens), np.int32(min_split), partial_acc, partial_ml,
-        ),
+        (q.reshape(-1), positions, page_table, *flat_caches, np.int32(num_kv_heads), np.int32(page_tokens),
+         np.int32(min_split), partial_acc, partial_ml),
     )  # fmt: skip
     combine = Launch(
-        attention_prefill_combine,
+        combine_kernel,
         (num_heads, rows),
         head_dim,
         (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cmpchat.backends.gpu.kv_layout import FP16
+from cmpchat.backends.gpu.kv_layout import FP16, LAYOUTS, KvLayout
 from cmpchat.backends.gpu.memory_plan import StagePlan, plan_stage
 from cmpchat.errors import CmpchatError
 from cmpchat.kernels.device_table import SIMULATOR_TUNING, SM_70, SM_90
@@ -45,14 +45,15 @@ def config_of(shape_name: str) -> tuple[ModelConfig, int, int]:
     return config, sum(sizes), max(sizes)
 
 
-def plan(config: ModelConfig, weights: int, largest: int, budget: int, **options) -> StagePlan:
+def plan(config: ModelConfig, weights: int, largest: int, budget: int, layout: KvLayout = FP16, **options) -> StagePlan:
     return plan_stage(
         config,
         weights=weights,
         largest_tensor=largest,
         budget=budget,
-        kv_bytes_per_token=FP16.bytes_per_token(config, config.attention_layers),
+        kv_bytes_per_token=layout.bytes_per_token(config, config.attention_layers),
         recurrent_bytes_per_sequence=config.recurrent_state_bytes(),
+        kv_layout=layout.name,
         **options,
     )
 
@@ -68,6 +69,19 @@ def test_9b_fits_a_16_gb_card_with_a_long_shared_pool():
     assert stage.host_ram <= 128 * 2**20
     text = "\n".join(stage.describe())
     assert "KV cache pool" in text and f"{stage.pool_tokens} tokens f16" in text and "warning" not in text
+
+
+def test_a_compressed_pool_holds_its_share_more_tokens():
+    # 9B, hd 256: per token and KV head f16 1024 bytes, q8 544, q8k-tq3v 376, tq3 208 (4.9x fewer than f16).
+    config, weights, largest = config_of("9B")
+    f16 = plan(config, weights, largest, 16 * GIB, sequences=5)
+    for name, per_head in (("q8", 544), ("q8k-tq3v", 376), ("tq3", 208)):
+        layout = LAYOUTS[name]
+        assert layout.bytes_per_token(config, config.attention_layers) == 8 * 4 * per_head
+        stage = plan(config, weights, largest, 16 * GIB, layout, sequences=5)
+        assert stage.kv_pool <= f16.kv_pool and abs(stage.pool_tokens / f16.pool_tokens - 1024 / per_head) < 0.01
+        assert f"{stage.pool_tokens} tokens {name} at {8 * 4 * per_head / 1024:.1f} KiB" in "\n".join(stage.describe())
+    assert "at 32.0 KiB" in "\n".join(f16.describe())
 
 
 def test_a_context_beyond_the_pool_is_capped_with_a_warning():

@@ -41,6 +41,14 @@ def test_info_plans_a_pipeline_on_the_cards_gpu_mem_describes(tiny_model_path, c
     assert "gpu plan      --split needs 2 layer counts" in capsys.readouterr().out
 
 
+def test_info_plans_the_kv_pool_in_a_format(tiny_model_path, capsys):
+    assert main(["info", str(tiny_model_path), "--gpu-mem", "2G", "--kv", "q8"]) == 0
+    out = capsys.readouterr().out
+    assert " tokens q8 at " in out and "context          4096 tokens per sequence at most" in out
+    assert main(["info", str(tiny_model_path), "--gpu-mem", "2G", "--kv", "tq3"]) == 0
+    assert "gpu plan      the GPU's tq3 codes need a head size" in capsys.readouterr().out  # head size 32
+
+
 def test_tokenize_prints_ids(tiny_model_path, capsys):
     assert main(["tokenize", "-m", str(tiny_model_path), "Hello<|im_end|>"]) == 0
     ids = [int(i) for i in capsys.readouterr().out.split()]

@@ -174,11 +174,38 @@ def test_open_model_takes_a_format_and_answers_the_pass_key():
     assert PASSKEY["key"] in finished[0].content
 
 
-def test_the_cuda_backend_refuses_a_compressed_format_before_touching_a_device():
+def test_the_cuda_backend_refuses_a_baseline_before_touching_a_device():
     with pytest.raises(CmpchatError) as raised:
-        cmpchat.open_model(MODEL, backend="cuda", kv="tq3")
+        cmpchat.open_model(MODEL, backend="cuda", kv="naive3")
     message = str(raised.value)
-    assert "\n" not in message and "tq3 KV cache is available on the CPU reference backend only for now" in message
+    assert "\n" not in message and "naive3 KV cache runs on the CPU reference backend only" in message
+    assert "the cuda backend takes f16, q8, tq3, q8k-tq3v" in message
+
+
+class StopLoading(CmpchatError):
+    """What the recording CudaBackend raises once it has the options it was given."""
+
+
+@pytest.fixture
+def cuda_options(monkeypatch):
+    """The options `open_model` gives CudaBackend, which then stops (no simulated GPU step runs)."""
+    from cmpchat.backends.gpu.model import CudaBackend
+
+    given: dict = {}
+
+    def record(self, model_file, config=None, **options):
+        given.update(options)
+        raise StopLoading("stopped after the options")
+
+    monkeypatch.setattr(CudaBackend, "__init__", record)
+    return given
+
+
+@pytest.mark.parametrize("name", ["q8", "tq3", "q8k-tq3v"])
+def test_the_cuda_backend_takes_the_gpu_formats(cuda_options, name):
+    with pytest.raises(StopLoading):
+        cmpchat.open_model(MODEL, backend="cuda", kv=name)
+    assert cuda_options["kv"] == name
 
 
 def test_unknown_formats_are_one_line():
@@ -186,10 +213,9 @@ def test_unknown_formats_are_one_line():
         cmpchat.open_model(MODEL, backend="cpu", kv="tq4")
 
 
-def test_run_takes_kv(capsys):
+def test_run_takes_kv(capsys, cuda_options):
     assert main(["run", "-m", str(MODEL), "--backend", "cuda", "--kv", "tq3", "-p", "hi"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "CPU reference backend only for now" in err[0]
+    assert cuda_options["kv"] == "tq3" and "stopped after the options" in capsys.readouterr().err
     assert main(["run", "-m", str(MODEL), "--backend", "cpu", "--kv", "q8", "-p", "Say", "-n", "3", "--temp", "0"]) == 0
     assert "KV cache: q8 (8.5 bits a value, 1,088 bytes a token)" in capsys.readouterr().err
     with pytest.raises(SystemExit):

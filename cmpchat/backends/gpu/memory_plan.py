@@ -65,8 +65,9 @@ class StagePlan:
         lines = [
             f"layers           {self.layers.start}-{self.layers.stop - 1}",
             f"weights          {_size(self.weights)}",
-            f"KV cache pool    {_size(self.kv_pool)}  ({self.pool_tokens} tokens {self.kv_layout}, "
-            f"{self.pool_pages} pages of {self.page_tokens}, shared by all sequences)",
+            f"KV cache pool    {_size(self.kv_pool)}  ({self.pool_tokens} tokens {self.kv_layout} at "
+            f"{self.kv_bytes_per_token / 1024:.1f} KiB, {self.pool_pages} pages of {self.page_tokens}, shared by all "
+            "sequences)",
             f"recurrent state  {_size(self.recurrent_state)}  ({self.sequences} sequences, running and saved)",
             f"scratch          {_size(self.scratch)}",
             *self._image_encoder_lines(),

@@ -48,7 +48,7 @@ from cmpchat.backends.gpu.bridge import HandOffSide, OverlappedHandOff
 from cmpchat.backends.gpu.buffers import images_within, mark_placed, place_image_rows
 from cmpchat.backends.gpu.decode_pipeline import DecodePipeline, InFlightStep
 from cmpchat.backends.gpu.device import GpuInfo, gpu_count, gpu_info, stage_budgets
-from cmpchat.backends.gpu.kv_layout import FP16, KvLayout
+from cmpchat.backends.gpu.kv_layout import FP16, layout_named
 from cmpchat.backends.gpu.memory_plan import (
     MAX_SEQUENCES,
     PAGE_TOKENS,
@@ -69,6 +69,7 @@ from cmpchat.backends.kv_pool import PageCopy, PageList, PagePool, PoolExhausted
 from cmpchat.errors import CmpchatError
 from cmpchat.kernels.device_table import DeviceTuning, default_tuning
 from cmpchat.kernels.gemv import TOKEN_BUCKETS, token_bucket
+from cmpchat.kv_formats import FORMATS
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 from cmpchat.sampling import SamplingParams, mask_words
@@ -120,7 +121,7 @@ class CudaBackend(Backend[CudaSequence]):
         gpus: Sequence[int] | None = None,
         split: Sequence[int] | None = None,
         use_graphs: bool = True,
-        layout: KvLayout = FP16,
+        kv: str = FP16.name,
         page_tokens: int | None = None,
         prompt_rows: int | None = None,
         progress: Progress | None = None,
@@ -134,13 +135,16 @@ class CudaBackend(Backend[CudaSequence]):
         `prompt_step.prompt_rows`: fewer in a pipeline; tests give one stage a pipeline's to compare them).
         `tuning`: the launch choices every stage runs (`kernels/device_table.py`); default, each GPU's own row
         (`default_tuning`: the one CMPCHAT_TUNING names, if set). `image_encoder_bytes`: what the first stage's
-        GPU leaves for an image encoder beside the model (`gpu_encoder.device_bytes`)."""
+        GPU leaves for an image encoder beside the model (`gpu_encoder.device_bytes`). `kv`: the KV cache's
+        format (`kv_layout.LAYOUTS`)."""
         self.config = config = config or ModelConfig.from_model_file(model_file)
         check_gpu_types(model_file, config)  # before any device call: a k-quant file is refused in one line
+        layout = layout_named(kv)
+        self.kv_format = kv
         self.use_graphs = use_graphs
         self.max_sequences = min(sequences + saved_states, MAX_SEQUENCES)
         options: dict[str, Any] = dict(
-            sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem, layout=layout,
+            sequences=self.max_sequences, context=context, kv_tokens=kv_tokens, gpu_mem=gpu_mem, kv=kv,
             page_tokens=page_tokens, split=split, prompt_rows=prompt_rows, image_encoder_bytes=image_encoder_bytes,
         )  # fmt: skip
         infos, self.plans = choose_stages(model_file, config, gpus, tuning, context, options)
@@ -203,7 +207,7 @@ class CudaBackend(Backend[CudaSequence]):
         context: int | None = None,
         kv_tokens: int | None = None,
         gpu_mem: int | Sequence[int | None] | None = None,
-        layout: KvLayout = FP16,
+        kv: str = FP16.name,
         page_tokens: int | None = None,
         prompt_rows: int | None = None,
         image_encoder_bytes: int = 0,
@@ -213,8 +217,9 @@ class CudaBackend(Backend[CudaSequence]):
         that every stage holds for its attention layers. Raises CmpchatError, with the numbers, when the pool
         cannot hold even a short context. `tunings`: the launch choices each stage would run (default, each
         GPU's: `default_tuning`). `image_encoder_bytes`: reserved on the first stage's GPU for the image encoder
-        (its weights and its scratch at the largest image), where images enter."""
+        (its weights and its scratch at the largest image), where images enter. `kv`: the KV cache's format."""
         check_gpu_types(model_file, config)
+        layout = layout_named(kv)
         infos = list(gpus) if gpus else [gpu_info(0)]
         rows = list(tunings) if tunings else [default_tuning(info) for info in infos]
         page_tokens = _page_tokens(config, page_tokens or PAGE_TOKENS, rows)
@@ -303,6 +308,11 @@ class CudaBackend(Backend[CudaSequence]):
             gpu = f"GPU {stage.gpu.index} ({stage.gpu.name})"
             lines += [f"{gpu}, stage {stage.index}, tuning {stage.tuning.name}: memory plan"]
             lines += [f"  {line}" for line in stage.plan.describe()]
+        fmt = FORMATS[self.kv_format]
+        lines.append(
+            f"KV cache: {fmt.name} ({fmt.bits_per_value:g} bits a value, {fmt.bytes_per_token(self.config):,} bytes a "
+            f"token): {self.context_limit} tokens of context at most"
+        )
         return lines
 
     def warm_up(self, progress: Progress | None = None, *, max_rows: int = 1) -> None:

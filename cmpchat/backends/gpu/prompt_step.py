@@ -32,12 +32,17 @@ from numba import cuda
 
 from cmpchat.backends.base import ImageRows
 from cmpchat.backends.gpu.buffers import columns, mark_placed, place_image_rows, zeros
-from cmpchat.backends.gpu.kv_layout import KvPages
+from cmpchat.backends.gpu.kv_layout import FP16, KvPages
 from cmpchat.backends.gpu.states import RecurrentStates
 from cmpchat.backends.gpu.step import MatmulInputs, embed_launch, takes_int8
 from cmpchat.backends.gpu.weights import AttentionWeights, RecurrentWeights, StageWeights
 from cmpchat.cudart.launch import Launch
-from cmpchat.kernels.attention_prefill import PrefillAttentionConfig, partial_buffer_shapes, prefill_attention
+from cmpchat.kernels.attention_prefill import (
+    PrefillAttentionConfig,
+    compressed_prefill_attention,
+    partial_buffer_shapes,
+    prefill_attention,
+)
 from cmpchat.kernels.device_table import DeviceTuning
 from cmpchat.kernels.gated_deltanet import GatedDeltaNetShape, GatedDeltaNetWeights
 from cmpchat.kernels.gated_deltanet_chunked import (
@@ -46,7 +51,8 @@ from cmpchat.kernels.gated_deltanet_chunked import (
     check_prefill_shape,
     prefill_launches,
 )
-from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
+from cmpchat.kernels.kv_write import kv_write_launch
+from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, qk_norm_rope_rows_launch, rope_tables
 from cmpchat.model.config import ModelConfig
 
 PROMPT_ROWS = 256
@@ -98,6 +104,7 @@ class PromptBuffers:
     m_quants: Any
     m_scales: Any
     q: Any  # fp32 [rows, H, hd]
+    k_rows: Any  # fp32 [rows, Hkv, hd]: the new keys on their way into a compressed cache (`kv_write`)
     attention: PrefillAttentionConfig
     partial_acc: Any  # fp32 [rows, H, splits, hd]: prefill attention's per-split partials
     partial_ml: Any  # fp32 [rows, H, splits, 2]
@@ -154,6 +161,7 @@ class PromptBuffers:
             "m_quants": ((rows, mixed // 4), u32),
             "m_scales": ((rows, mixed // 32), f32),
             "q": ((rows, config.num_heads, config.head_dim), f32),
+            "k_rows": ((rows, config.num_kv_heads, config.head_dim), f32),
             "partial_acc": (acc_shape, f32),
             "partial_ml": (ml_shape, f32),
             "logits": ((1, config.vocab_size), f32),
@@ -279,14 +287,23 @@ def prompt_launches(
         if isinstance(mixer, AttentionWeights):
             projection = columns(b.projection, rows, mixer.qkv.rows)
             launches += inputs.normed(mixer.qkv, hidden, layer.mixer_norm, projection)
-            k_cache, v_cache = kv.caches(index)
-            launches.append(
-                qk_norm_rope_launch(projection, b.positions, b.page_table, mixer.q_norm, mixer.k_norm, b.inv_freq,
-                                    b.freq_axis, eps, b.q, k_cache, v_cache)
-            )  # fmt: skip
+            caches = kv.caches(index)
+            tables = (mixer.q_norm, mixer.k_norm, b.inv_freq, b.freq_axis, eps)
             attended = columns(b.mixed, rows, config.num_heads * config.head_dim)
-            launches += prefill_attention(b.q, projection, b.positions, b.page_table, k_cache, v_cache,
-                                          b.partial_acc, b.partial_ml, attended, b.attention)  # fmt: skip
+            split_args = (b.partial_acc, b.partial_ml, attended, b.attention)
+            if kv.format_name == FP16.name:
+                k_cache, v_cache = caches
+                launches.append(
+                    qk_norm_rope_launch(projection, b.positions, b.page_table, *tables, b.q, k_cache, v_cache)
+                )
+                launches += prefill_attention(b.q, projection, b.positions, b.page_table, k_cache, v_cache,
+                                              *split_args)  # fmt: skip
+            else:
+                launches.append(qk_norm_rope_rows_launch(projection, b.positions, *tables, b.q, b.k_rows))
+                launches.append(kv_write_launch(b.k_rows, projection, b.positions, b.page_table, caches,
+                                                kv.format_name))  # fmt: skip
+                launches += compressed_prefill_attention(b.q, projection, b.positions, b.page_table, caches,
+                                                         kv.format_name, *split_args)  # fmt: skip
         else:
             assert isinstance(mixer, RecurrentWeights)
             projection = columns(b.projection, rows, mixer.projection.rows)

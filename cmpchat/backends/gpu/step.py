@@ -24,13 +24,14 @@ from gguf import GGMLQuantizationType
 from numba import cuda
 
 from cmpchat.backends.gpu.buffers import columns, ordering_event, zeros
-from cmpchat.backends.gpu.kv_layout import KvPages
+from cmpchat.backends.gpu.kv_layout import FP16, KvPages
 from cmpchat.backends.gpu.states import RecurrentStates
 from cmpchat.backends.gpu.weights import AttentionWeights, DeviceMatrix, RecurrentWeights, StageWeights
 from cmpchat.cudart.driver_api import check, stream_handle
 from cmpchat.cudart.intrinsics import SIMULATOR
 from cmpchat.cudart.launch import Launch
 from cmpchat.kernels.attention import DecodeAttentionConfig, decode_attention, partial_buffer_shapes
+from cmpchat.kernels.attention_compressed import compressed_decode_attention
 from cmpchat.kernels.device_table import DeviceTuning
 from cmpchat.kernels.elementwise import embed_q8_0
 from cmpchat.kernels.embed_kquant import embed_kquant
@@ -41,7 +42,8 @@ from cmpchat.kernels.gemv import gemv_q8_launch
 from cmpchat.kernels.gemv_float import gemv_float_launch
 from cmpchat.kernels.gemv_fused import gemv_q8_fused_launch
 from cmpchat.kernels.gemv_kquant import kquant_matmul_launch
-from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, rope_tables
+from cmpchat.kernels.kv_write import kv_write_launch
+from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, qk_norm_rope_rows_launch, rope_tables
 from cmpchat.kernels.quantize import quantize_launch, rms_norm_quantize_launch
 from cmpchat.model.config import LayerKind, ModelConfig
 
@@ -163,6 +165,7 @@ class StepBuffers:
     m_quants: Any
     m_scales: Any
     q: Any  # fp32 [16, H, hd]
+    k_rows: Any  # fp32 [16, Hkv, hd]: the new keys on their way into a compressed cache (`kv_write`)
     logits: Any  # fp32 [16, V]
     inv_freq: Any  # float64 [rope_dims/2]
     freq_axis: Any  # int32 [rope_dims/2]
@@ -206,6 +209,7 @@ class StepBuffers:
             m_quants=zeros((MAX_ROWS, mixed_width // 4), np.uint32),
             m_scales=zeros((MAX_ROWS, mixed_width // 32)),
             q=zeros((MAX_ROWS, config.num_heads, config.head_dim)),
+            k_rows=zeros((MAX_ROWS, config.num_kv_heads, config.head_dim)),
             logits=zeros((MAX_ROWS, config.vocab_size)),
             inv_freq=cuda.to_device(rope.inv_freq),
             freq_axis=cuda.to_device(rope.freq_axis),
@@ -259,36 +263,22 @@ def decode_launches(
             projection = columns(b.projection, rows, width)
             launches += inputs.normed(mixer.qkv, hidden, layer.mixer_norm, projection)
             q = b.q[:rows]
-            k_cache, v_cache = kv.caches(index)
+            caches = kv.caches(index)
             positions, pages = b.positions[:rows], b.page_table[:rows]
-            launches.append(
-                qk_norm_rope_launch(
-                    projection,
-                    positions,
-                    pages,
-                    mixer.q_norm,
-                    mixer.k_norm,
-                    b.inv_freq,
-                    b.freq_axis,
-                    config.rms_eps,
-                    q,
-                    k_cache,
-                    v_cache,
-                )
-            )
+            tables = (mixer.q_norm, mixer.k_norm, b.inv_freq, b.freq_axis, config.rms_eps)
             attended = columns(b.mixed, rows, config.num_heads * config.head_dim)
-            launches += decode_attention(
-                q,
-                projection,
-                positions,
-                pages,
-                k_cache,
-                v_cache,
-                splits.partial_acc,
-                splits.partial_ml,
-                attended,
-                splits.config,
-            )
+            split_args = (splits.partial_acc, splits.partial_ml, attended, splits.config)
+            if kv.format_name == FP16.name:
+                k_cache, v_cache = caches
+                launches.append(qk_norm_rope_launch(projection, positions, pages, *tables, q, k_cache, v_cache))
+                launches += decode_attention(q, projection, positions, pages, k_cache, v_cache, *split_args)
+            else:
+                k_rows = b.k_rows[:rows]
+                launches.append(qk_norm_rope_rows_launch(projection, positions, *tables, q, k_rows))
+                launches.append(kv_write_launch(k_rows, projection, positions, pages, caches, kv.format_name))
+                launches += compressed_decode_attention(
+                    q, projection, positions, pages, caches, kv.format_name, *split_args
+                )
         else:
             assert isinstance(mixer, RecurrentWeights) and layer.kind is LayerKind.RECURRENT
             projection = columns(b.projection, rows, mixer.projection.rows)
