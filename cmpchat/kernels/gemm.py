@@ -232,12 +232,12 @@ def _gemm_body(tiling: GemmTiling, fmt: KQuantFormat | None) -> Any:
     w_groups, x_groups = tile_rows * groups_per_row, tile_tokens * groups_per_row
     w_scales, x_scales = tile_rows * stage_blocks, tile_tokens * stage_blocks
     kquant = fmt is not None
-    split_scale = kquant and fmt.split_scale
-    has_min = kquant and fmt.has_min
+    split_scale = fmt is not None and fmt.split_scale
+    has_min = fmt is not None and fmt.has_min
     second_scale = split_scale or has_min  # a second fp32 per (row, block): Q6_K's S of values 16..31, or M
-    if kquant:
+    if fmt is not None:
         w_rounds = ws_rounds  # one (row, block) a round: 16 bytes of nibbles, high bits and scales
-        read_block, block_words = block_reader(fmt)
+        read_block, block_words, _ = block_reader(fmt)
     # Shared and local array sizes must be plain constants for Numba.
     w_stage_size, x_stage_size = tile_rows * pitch, tile_tokens * pitch
     w_scale_size, x_scale_size = stage_blocks * w_scale_pitch, stage_blocks * x_scale_pitch

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from gguf import GGMLQuantizationType as T
+from numba import cuda, float32, int32, uint32, uint64
 
 from cmpchat.cudart.compile import kernel
 from cmpchat.cudart.intrinsics import (
@@ -68,6 +69,16 @@ from cmpchat.kernels.gemv import (
     silu_f32,
     staged_index,
 )
+from cmpchat.kernels.gemv_kquant import (
+    FORMATS,
+    KQUANT_TYPES,
+    NIBBLE_WORDS,
+    ONES,
+    KQuantArrays,
+    KQuantFormat,
+    block_reader,
+    check_kquant_arrays,
+)
 from cmpchat.kernels.quantize import QUANT_BLOCK, VALUES_PER_WORD, block_amax, quantize_word
 
 NORM_THREADS = 64 if SIMULATOR else 256
@@ -99,6 +110,11 @@ MAX_COLUMNS = 40960
 GEMV_FUSED_SIGNATURE = (
     "void(uint32[::1], float16[::1], float32[::1], float32[::1], float32[::1], int32, int32, int32, float32, int32)"
 )
+GEMV_FUSED_KQUANT_SIGNATURE = (
+    "void(uint32[::1], uint32[::1], uint16[::1], float16[::1], float32[::1], float32[::1], float32[::1], int32, "
+    "int32, int32, float32, int32, int32)"
+)
+KQUANT_STEP_WORDS = WARP_SIZE * 8  # input words a 4/5/6-bit step covers: one 32-value block a lane
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,18 +162,44 @@ def load_staging_round(x, norm_weight, use_norm, words, first_word, stride, valu
         weights[4 * u], weights[4 * u + 1], weights[4 * u + 2], weights[4 * u + 3] = w0, w1, w2, w3
 
 
-def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
-    iteration_words = steps * STEP_WORDS
+@cuda.jit(device=True, inline=True)
+def kquant_staged_index(word):
+    """Where word `word` of a staged row lives for the 4/5/6-bit loop (`gemv_kquant`'s staging): within each step
+    of 32 blocks, word c of block 32s + l at 256s + 32c + l (a lane's 8 shared loads hit 8 distinct banks)."""
+    return ((word >> 8) << 8) + ((word & 7) << 5) + ((word >> 3) & 31)
+
+
+def iteration_words(steps: int, kquant: bool) -> int:
+    """Input words one loop iteration covers: steps of 512 bytes of Q8_0 weight a row (128 words), or of one
+    32-value block a lane (256 words) for the 4/5/6-bit types."""
+    return steps * (KQUANT_STEP_WORDS if kquant else STEP_WORDS)
+
+
+def _fused_body(steps: int, groups: int, fmt: KQuantFormat | None) -> Any:
+    """The kernel's body as a device function over Q8_0 weights (fmt None: w_a the quants, w_d the scales) or a
+    4/5/6-bit type (w_a..w_d: `gemv_kquant`'s nibbles, high, sub_scales, scales), y[out_first + row]. A 4/5/6-bit
+    lane reads one whole block a step (its 16 bytes of nibbles, high bits and scales), so the prologue also
+    stages xs * sum(x) per block for the types with a minimum."""
+    kquant = fmt is not None
+    has_min = fmt is not None and fmt.has_min
+    iteration = iteration_words(steps, kquant)
     block_threads = groups * NORM_THREADS
     block_warps = groups * GROUP_WARPS
     step_words = 4 * steps  # weight words per row a lane holds per iteration (a plain constant for Numba)
+    high_words = 2 * steps if kquant else 1
+    extra_scales = steps if kquant else 1
+    if fmt is not None:
+        read_block, block_words, block_term = block_reader(fmt)
+    staged_at = kquant_staged_index if kquant else staged_index
 
-    def gemv_q8_fused(wq, ws, x, norm_weight, y, rows, words, mode, eps, use_norm):
+    @cuda.jit(device=True, inline=True)
+    def body(w_a, w_b, w_c, w_d, x, norm_weight, y, rows, words, mode, eps, use_norm, out_first):
         tid = cuda.threadIdx.x
         lane = tid & (WARP_SIZE - 1)
-        padded = (words + iteration_words - 1) // iteration_words * iteration_words
+        padded = (words + iteration - 1) // iteration * iteration
         stage_q = cuda.shared.array(0, uint32)
         stage_s = cuda.shared.array(0, float32)[padded:]  # after the quants (dynamic shared arrays alias)
+        stage_m = cuda.shared.array(0, float32)[padded + (padded >> 3) :]  # xs * sum(x) (types with a minimum)
         values = cuda.local.array(LOAD_VALUES, float32)
         weights = cuda.local.array(LOAD_VALUES, float32)
         squared = cuda.local.array(LOAD_VALUES, float32)
@@ -175,12 +217,17 @@ def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
         if launched_early_here() and own_pair < pairs and lane % PREFETCH_LANE_STRIDE == 0:
             row_a, row_b, _ = pair_rows(own_pair, rows, mode)
             for u in range(PREFETCH_STEPS):
-                k = min(u * STEP_WORDS + 4 * lane, words - 4)
-                prefetch_l2(wq, uint64(min(row_a, rows - 1) * words + k))
-                prefetch_l2(wq, uint64(min(row_b, rows - 1) * words + k))
-            if lane == 0:  # and the rows' first scales (one line: 64 of them)
-                prefetch_l2(ws, uint64(min(row_a, rows - 1) * blocks))
-                prefetch_l2(ws, uint64(min(row_b, rows - 1) * blocks))
+                if kquant:  # the nibbles of the lane's blocks (4 words a block)
+                    k = min(u * WARP_SIZE + lane, blocks - 1) * NIBBLE_WORDS
+                    prefetch_l2(w_a, uint64(min(row_a, rows - 1) * blocks * NIBBLE_WORDS + k))
+                    prefetch_l2(w_a, uint64(min(row_b, rows - 1) * blocks * NIBBLE_WORDS + k))
+                else:
+                    k = min(u * STEP_WORDS + 4 * lane, words - 4)
+                    prefetch_l2(w_a, uint64(min(row_a, rows - 1) * words + k))
+                    prefetch_l2(w_a, uint64(min(row_b, rows - 1) * words + k))
+            if lane == 0 and not kquant:  # and the rows' first scales (one line: 64 of them)
+                prefetch_l2(w_d, uint64(min(row_a, rows - 1) * blocks))
+                prefetch_l2(w_d, uint64(min(row_b, rows - 1) * blocks))
         wait_for_prior_grids()
 
         # The staging's first round of loads goes out before the sum of squares' loads, so both wait on one L2
@@ -220,10 +267,17 @@ def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
                     v3 = v3 * factor * weights[4 * u + 3]
                 amax = block_amax(v0, v1, v2, v3)  # every thread takes part (the simulator's shuffle is a barrier)
                 packed, scale = quantize_word(v0, v1, v2, v3, amax)
+                if has_min:  # the block's sum of quants over its 8 words' lanes (exact in fp32: |sum| < 2^12)
+                    summed = float32(dp4a(packed, ONES, int32(0)))
+                    summed += shfl_xor_f32(summed, 1)
+                    summed += shfl_xor_f32(summed, 2)
+                    summed += shfl_xor_f32(summed, 4)
                 if word < padded:  # padding words quantise zeros: quants 0, scale 0
-                    stage_q[uint64(staged_index(word))] = packed
+                    stage_q[uint64(staged_at(word))] = packed
                     if (word & 7) == 0:
                         stage_s[uint64(word >> 3)] = scale
+                        if has_min:
+                            stage_m[uint64(word >> 3)] = scale * summed
         cuda.syncthreads()
 
         # Row pairs dealt round the blocks first (pair p to block p % grid), so every SM streams as many rows
@@ -235,41 +289,68 @@ def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
         weight_b = cuda.local.array(step_words, uint32)
         scale_a = cuda.local.array(steps, float32)
         scale_b = cuda.local.array(steps, float32)
+        high_a = cuda.local.array(high_words, uint32)  # 4/5/6-bit: each step's high words, second S and M
+        high_b = cuda.local.array(high_words, uint32)
+        second_a = cuda.local.array(extra_scales, float32)
+        second_b = cuda.local.array(extra_scales, float32)
+        min_a = cuda.local.array(extra_scales, float32)
+        min_b = cuda.local.array(extra_scales, float32)
         for first_pair in range(0, pairs, all_warps):
             pair = first_pair + (tid >> 5) * grid + cuda.blockIdx.x
             if pair >= pairs and not SIMULATOR:
                 break
             row_a, row_b, out_rows = pair_rows(pair, rows, mode)
             live_a = row_a < out_rows if mode == MODE_SWIGLU else row_a < rows
-            quants_a = min(row_a, rows - 1) * words
-            quants_b = min(row_b, rows - 1) * words
-            scales_a = min(row_a, rows - 1) * blocks
-            scales_b = min(row_b, rows - 1) * blocks
+            read_a, read_b = min(row_a, rows - 1), min(row_b, rows - 1)
             acc[0] = acc[1] = float32(0.0)
-            for step in range(0, words, iteration_words):
+            for step in range(0, words, iteration):
                 # All loads first (2 x steps 16-byte loads per lane in flight). Past the row end a lane reads the
                 # row's last words again, which meet the staged zeros. Unconditional, because with a predicate per
                 # step ptxas (sm_90 SASS) reused predicate registers and waited for one step's scales before
                 # issuing the next step's loads: the 27B step's GEMVs took 8.5 ms instead of 8.2 (H200).
                 for u in range(steps):
-                    k = min(step + u * STEP_WORDS + 4 * lane, words - 4)
-                    a0, a1, a2, a3 = load_u32x4(wq, uint64(quants_a + k))
-                    b0, b1, b2, b3 = load_u32x4(wq, uint64(quants_b + k))
-                    sa = float32(ws[uint64(scales_a + (k >> 3))])
-                    sb = float32(ws[uint64(scales_b + (k >> 3))])
+                    if kquant:
+                        block = min((step >> 3) + u * WARP_SIZE + lane, blocks - 1)
+                        a0, a1, a2, a3, ha0, ha1, sa, sa1, ma = read_block(w_a, w_b, w_c, w_d, read_a, block, blocks)
+                        b0, b1, b2, b3, hb0, hb1, sb, sb1, mb = read_block(w_a, w_b, w_c, w_d, read_b, block, blocks)
+                        high_a[2 * u], high_a[2 * u + 1], high_b[2 * u], high_b[2 * u + 1] = ha0, ha1, hb0, hb1
+                        second_a[u], second_b[u], min_a[u], min_b[u] = sa1, sb1, ma, mb
+                    else:
+                        k = min(step + u * STEP_WORDS + 4 * lane, words - 4)
+                        a0, a1, a2, a3 = load_u32x4(w_a, uint64(read_a * words + k))
+                        b0, b1, b2, b3 = load_u32x4(w_a, uint64(read_b * words + k))
+                        sa = float32(w_d[uint64(read_a * blocks + (k >> 3))])
+                        sb = float32(w_d[uint64(read_b * blocks + (k >> 3))])
                     weight_a[4 * u], weight_a[4 * u + 1], weight_a[4 * u + 2], weight_a[4 * u + 3] = a0, a1, a2, a3
                     weight_b[4 * u], weight_b[4 * u + 1], weight_b[4 * u + 2], weight_b[4 * u + 3] = b0, b1, b2, b3
                     scale_a[u], scale_b[u] = sa, sb
                 for u in range(steps):
-                    q = uint64(step + u * STEP_WORDS + lane)
-                    x0, x1, x2, x3 = stage_q[q], stage_q[q + U32], stage_q[q + U64], stage_q[q + U96]
-                    xs = stage_s[uint64((step + u * STEP_WORDS + 4 * lane) >> 3)]
-                    dot_a = dp4a(weight_a[4 * u + 3], x3, dp4a(weight_a[4 * u + 2], x2,
-                                 dp4a(weight_a[4 * u + 1], x1, dp4a(weight_a[4 * u], x0, 0))))  # fmt: skip
-                    dot_b = dp4a(weight_b[4 * u + 3], x3, dp4a(weight_b[4 * u + 2], x2,
-                                 dp4a(weight_b[4 * u + 1], x1, dp4a(weight_b[4 * u], x0, 0))))  # fmt: skip
-                    acc[0] += float32(dot_a) * (scale_a[u] * xs)
-                    acc[1] += float32(dot_b) * (scale_b[u] * xs)
+                    if kquant:
+                        block = (step >> 3) + u * WARP_SIZE + lane
+                        q = uint64(staged_at(8 * block))
+                        x0, x1, x2, x3 = stage_q[q], stage_q[q + U32], stage_q[q + U64], stage_q[q + U96]
+                        x4, x5 = stage_q[q + uint64(128)], stage_q[q + uint64(160)]
+                        x6, x7 = stage_q[q + uint64(192)], stage_q[q + uint64(224)]
+                        xs = stage_s[uint64(block)]
+                        xm = stage_m[uint64(block)] if has_min else float32(0.0)
+                        qa = block_words(weight_a[4 * u], weight_a[4 * u + 1], weight_a[4 * u + 2], weight_a[4 * u + 3],
+                                         high_a[2 * u], high_a[2 * u + 1])  # fmt: skip
+                        qb = block_words(weight_b[4 * u], weight_b[4 * u + 1], weight_b[4 * u + 2], weight_b[4 * u + 3],
+                                         high_b[2 * u], high_b[2 * u + 1])  # fmt: skip
+                        acc[0] += block_term(qa, scale_a[u], second_a[u], min_a[u], x0, x1, x2, x3, x4, x5, x6, x7,
+                                             xs, xm)  # fmt: skip
+                        acc[1] += block_term(qb, scale_b[u], second_b[u], min_b[u], x0, x1, x2, x3, x4, x5, x6, x7,
+                                             xs, xm)  # fmt: skip
+                    else:
+                        q = uint64(step + u * STEP_WORDS + lane)
+                        x0, x1, x2, x3 = stage_q[q], stage_q[q + U32], stage_q[q + U64], stage_q[q + U96]
+                        xs = stage_s[uint64((step + u * STEP_WORDS + 4 * lane) >> 3)]
+                        dot_a = dp4a(weight_a[4 * u + 3], x3, dp4a(weight_a[4 * u + 2], x2,
+                                     dp4a(weight_a[4 * u + 1], x1, dp4a(weight_a[4 * u], x0, 0))))  # fmt: skip
+                        dot_b = dp4a(weight_b[4 * u + 3], x3, dp4a(weight_b[4 * u + 2], x2,
+                                     dp4a(weight_b[4 * u + 1], x1, dp4a(weight_b[4 * u], x0, 0))))  # fmt: skip
+                        acc[0] += float32(dot_a) * (scale_a[u] * xs)
+                        acc[1] += float32(dot_b) * (scale_b[u] * xs)
 
             # gemv.py's reduce-scatter at T=1: after it, lanes 0-15 hold row a's sum and lanes 16-31 row b's.
             fold(acc, lane, 16, 2)
@@ -282,32 +363,56 @@ def _make_gemv_q8_fused(steps: int, groups: int) -> Any:
             if (lane & 15) == 0:
                 if mode == MODE_SWIGLU:
                     if lane == 0 and live_a:
-                        y[uint64(row_a)] = silu_f32(total) * partner
+                        y[uint64(out_first + row_a)] = silu_f32(total) * partner
                 else:
                     row = row_a if lane == 0 else row_b
                     if row_a < rows and row < rows:
                         if mode == MODE_ACCUMULATE:
-                            y[uint64(row)] += total
+                            y[uint64(out_first + row)] += total
                         else:
-                            y[uint64(row)] = total
+                            y[uint64(out_first + row)] = total
 
-    gemv_q8_fused.__name__ = gemv_q8_fused.__qualname__ = f"gemv_q8_fused_s{steps}g{groups}"
-    bounds = (block_threads, SM_THREADS // block_threads)
-    return kernel(GEMV_FUSED_SIGNATURE, launch_bounds=bounds, early_launch=True)(gemv_q8_fused)
+    return body
 
 
-GEMV_Q8_FUSED = {
-    (steps, groups): _make_gemv_q8_fused(steps, groups) for steps in STEP_CHOICES for groups in GROUP_CHOICES
+def _make_gemv_fused(steps: int, groups: int, tensor_type: T) -> Any:
+    bounds = (groups * NORM_THREADS, SM_THREADS // (groups * NORM_THREADS))
+    compile_kernel = kernel(GEMV_FUSED_SIGNATURE if tensor_type == T.Q8_0 else GEMV_FUSED_KQUANT_SIGNATURE,
+                            launch_bounds=bounds, early_launch=True)  # fmt: skip
+    if tensor_type == T.Q8_0:
+        body = _fused_body(steps, groups, None)
+
+        def gemv_q8_fused(wq, ws, x, norm_weight, y, rows, words, mode, eps, use_norm):
+            body(wq, wq, wq, ws, x, norm_weight, y, rows, words, mode, eps, use_norm, 0)
+
+        gemv_q8_fused.__name__ = gemv_q8_fused.__qualname__ = f"gemv_q8_fused_s{steps}g{groups}"
+        return compile_kernel(gemv_q8_fused)
+    body = _fused_body(steps, groups, FORMATS[tensor_type])
+
+    def gemv_kquant_fused(nibbles, high, sub_scales, scales, x, norm_weight, y, rows, words, mode, eps, use_norm,
+                          out_first):  # fmt: skip
+        body(nibbles, high, sub_scales, scales, x, norm_weight, y, rows, words, mode, eps, use_norm, out_first)
+
+    name = f"gemv_{tensor_type.name.lower()}_fused_s{steps}g{groups}"
+    gemv_kquant_fused.__name__ = gemv_kquant_fused.__qualname__ = name
+    return compile_kernel(gemv_kquant_fused)
+
+
+GEMV_FUSED = {
+    (tensor_type, steps, groups): _make_gemv_fused(steps, groups, tensor_type)
+    for tensor_type in (T.Q8_0, *KQUANT_TYPES)
+    for steps in STEP_CHOICES
+    for groups in GROUP_CHOICES
 }
 
 
-def shared_bytes(cols: int, steps: int) -> int:
+def shared_bytes(cols: int, steps: int, kquant: bool = False) -> int:
     """Dynamic shared memory of a launch: the row's quants, padded with zeros to whole loop iterations of the
-    variant, and its scales."""
+    variant, and its scales (for the 4/5/6-bit types also xs * sum(x) per block)."""
     words = cols // VALUES_PER_WORD
-    iteration_words = steps * STEP_WORDS
-    padded = -(-words // iteration_words) * iteration_words
-    return 4 * padded + 4 * (padded // 8)
+    iteration = iteration_words(steps, kquant)
+    padded = -(-words // iteration) * iteration
+    return 4 * padded + (8 if kquant else 4) * (padded // 8)
 
 
 def gemv_q8_fused_launch(
@@ -330,26 +435,70 @@ def gemv_q8_fused_launch(
     """
     rows, words = check_array(weight_quants, "weight quants", np.uint32, 2)
     cols = words * VALUES_PER_WORD
-    if rows == 0 or cols == 0 or cols % QUANT_BLOCK or cols > MAX_COLUMNS:
-        raise ValueError(f"weight quants must be [rows, cols/4] with cols a multiple of 32 up to {MAX_COLUMNS}")
+    if rows == 0 or cols == 0 or cols % QUANT_BLOCK:
+        raise ValueError("weight quants must be [rows, cols/4] with cols a multiple of 32")
     check_array(weight_scales, "weight scales", np.float16, 2, (rows, cols // QUANT_BLOCK))
-    check_array(x, "x", np.float32, 2, (1, cols))
-    code = check_mode(mode, rows)
-    check_array(out, "out", np.float32, 2, output_shape(rows, 1, mode))
-    if norm_weight is not None:
-        check_array(norm_weight, "norm weight", np.float32, 1, (cols,))
-        check_aligned(norm_weight, "norm weight")
-    for array, name in ((weight_quants, "weight quants"), (x, "x")):
-        check_aligned(array, name)
-    # No more blocks than the pairs fill: each block stages the whole input (spreading 9B's 4096-row outputs
-    # over every block slot made them 0.6-1.1 µs slower on an H200).
-    pairs = row_pairs(rows, mode)
-    warps = tiling.block_threads // WARP_SIZE
-    grid = max(1, min(-(-pairs // warps), sm_count * tiling.blocks_per_sm))
+    check_aligned(weight_quants, "weight quants")
+    code = _check_fused_input(x, out, cols, rows, mode, norm_weight, 0)
     args = (
         weight_quants.reshape(-1), weight_scales.reshape(-1), x.reshape(-1),
         (x if norm_weight is None else norm_weight).reshape(-1), out.reshape(-1), np.int32(rows),
         np.int32(words), np.int32(code), np.float32(eps), np.int32(norm_weight is not None),
     )  # fmt: skip
-    kernel_variant = GEMV_Q8_FUSED[tiling.steps, tiling.groups]
+    kernel_variant = GEMV_FUSED[T.Q8_0, tiling.steps, tiling.groups]
+    grid = _fused_grid(rows, mode, sm_count, tiling)
     return Launch(kernel_variant, grid, tiling.block_threads, args, shared_bytes(cols, tiling.steps))
+
+
+def gemv_kquant_fused_launch(
+    tensor_type: T,
+    arrays: KQuantArrays,
+    cols: int,
+    x: Any,
+    out: Any,
+    *,
+    mode: str = "store",
+    norm_weight: Any | None = None,
+    eps: float = 0.0,
+    out_first: int = 0,
+    sm_count: int,
+    tiling: FusedGemvTiling,
+) -> Launch:
+    """As `gemv_q8_fused_launch` for a 4/5/6-bit W (`gemv_kquant`'s layout), writing out[:, out_first:] (a part of
+    a fused matrix writes its columns of a wider output)."""
+    rows = int(arrays.nibbles.shape[0])
+    check_kquant_arrays(tensor_type, arrays, rows, cols)
+    code = _check_fused_input(x, out, cols, rows, mode, norm_weight, out_first)
+    args = (
+        arrays.nibbles.reshape(-1), arrays.high.reshape(-1), arrays.sub_scales.reshape(-1), arrays.scales.reshape(-1),
+        x.reshape(-1), (x if norm_weight is None else norm_weight).reshape(-1), out.reshape(-1), np.int32(rows),
+        np.int32(cols // VALUES_PER_WORD), np.int32(code), np.float32(eps), np.int32(norm_weight is not None),
+        np.int32(out_first),
+    )  # fmt: skip
+    kernel_variant = GEMV_FUSED[tensor_type, tiling.steps, tiling.groups]
+    grid = _fused_grid(rows, mode, sm_count, tiling)
+    return Launch(kernel_variant, grid, tiling.block_threads, args, shared_bytes(cols, tiling.steps, kquant=True))
+
+
+def _check_fused_input(x: Any, out: Any, cols: int, rows: int, mode: str, norm_weight: Any, out_first: int) -> int:
+    """The mode's code, once x, out (its columns out_first..) and the norm weight fit a [rows, cols] weight."""
+    if cols > MAX_COLUMNS:
+        raise ValueError(f"the fused GEMV takes inputs of up to {MAX_COLUMNS} columns, not {cols}")
+    check_array(x, "x", np.float32, 2, (1, cols))
+    check_aligned(x, "x")
+    code = check_mode(mode, rows)
+    _, width = check_array(out, "out", np.float32, 2)
+    written = output_shape(rows, 1, mode)[1]
+    if int(out.shape[0]) != 1 or not 0 <= out_first <= width - written:
+        raise ValueError(f"out {tuple(out.shape)} has no columns {out_first}..{out_first + written} for one token")
+    if norm_weight is not None:
+        check_array(norm_weight, "norm weight", np.float32, 1, (cols,))
+        check_aligned(norm_weight, "norm weight")
+    return code
+
+
+def _fused_grid(rows: int, mode: str, sm_count: int, tiling: FusedGemvTiling) -> int:
+    # No more blocks than the pairs fill: each block stages the whole input (spreading 9B's 4096-row outputs
+    # over every block slot made them 0.6-1.1 µs slower on an H200).
+    warps = tiling.block_threads // WARP_SIZE
+    return max(1, min(-(-row_pairs(rows, mode) // warps), sm_count * tiling.blocks_per_sm))

@@ -174,14 +174,15 @@ def signed_byte(value):
     return int32(value) - ((int32(value) & 0x80) << 1)
 
 
-def block_reader(fmt: KQuantFormat) -> tuple[Any, Any]:
+def block_reader(fmt: KQuantFormat) -> tuple[Any, Any, Any]:
     """Device functions for one type's blocks, shared by this GEMV and the GEMM (`gemm.py`):
 
     - read_block(nibbles, high, sub_scales, scales, row, block, blocks): a row's block (row and block in
       range): its 4 nibble words, 2 high words, S (S of the first 16 values for Q6_K), S of the second 16
       (Q6_K; else S) and M (0 for the types without a minimum);
     - block_words(n0, n1, n2, n3, h0, h1): the block's 32 values as 8 int8 words, q - offset (word c:
-      values 4c..4c+3 for c < 4, 16 + 4(c - 4).. above)."""
+      values 4c..4c+3 for c < 4, 16 + 4(c - 4).. above);
+    - block_term(q, s0, s1, m, x0..x7, xs, xm): the block's xs * (S dot(q, x) + M sum(x)) (xm = xs * sum(x))."""
     high_bits, has_min, split_scale, sub_scales_on = fmt.high_bits, fmt.has_min, fmt.split_scale, fmt.sub_scales
     offset_bias = (128 - fmt.offset) * ONES  # (q + bias) ^ 0x80808080 is q - offset in each signed byte
     with_offset = fmt.offset != 0
@@ -240,7 +241,19 @@ def block_reader(fmt: KQuantFormat) -> tuple[Any, Any]:
         q3, q7 = int8_words(n3, h0, h1, 3)
         return q0, q1, q2, q3, q4, q5, q6, q7
 
-    return read_block, block_words
+    @cuda.jit(device=True, inline=True)
+    def block_term(q, s0, s1, m, x0, x1, x2, x3, x4, x5, x6, x7, xs, xm):
+        """xs * (S dot(q, x) + M sum(x)) for one row's block (q: its 8 int8 words; xm = xs * sum(x))."""
+        low = dp4a(q[3], x3, dp4a(q[2], x2, dp4a(q[1], x1, dp4a(q[0], x0, 0))))
+        high = dp4a(q[7], x7, dp4a(q[6], x6, dp4a(q[5], x5, dp4a(q[4], x4, 0))))
+        if split_scale:
+            return float32(low) * (s0 * xs) + float32(high) * (s1 * xs)
+        term = float32(low + high) * (s0 * xs)
+        if has_min:
+            term += m * xm
+        return term
+
+    return read_block, block_words, block_term
 
 
 def _make_gemv_kquant(fmt: KQuantFormat, tokens_max: int) -> Any:
@@ -249,12 +262,12 @@ def _make_gemv_kquant(fmt: KQuantFormat, tokens_max: int) -> Any:
     stage_blocks = tokens_max * chunk
     stage_words = stage_blocks * 8
     rounds = -(-stage_blocks // BLOCK_THREADS)
-    has_min, split_scale = fmt.has_min, fmt.split_scale
+    has_min = fmt.has_min
     min_stage = stage_blocks if has_min else 1
     sums = ROWS_PER_WARP * tokens_max
     spread = 5 - (sums.bit_length() - 1)
     live_16, live_8, live_4, live_2, live_1 = (max(sums >> level, 1) for level in range(5))
-    read_block, unpack_words = block_reader(fmt)
+    read_block, unpack_words, block_term = block_reader(fmt)
 
     @cuda.jit(device=True, inline=True)
     def load_block(nibbles, high, sub_scales, scales, row, block, blocks):
@@ -268,18 +281,6 @@ def _make_gemv_kquant(fmt: KQuantFormat, tokens_max: int) -> Any:
     @cuda.jit(device=True, inline=True)
     def block_words(loaded):
         return unpack_words(loaded[0], loaded[1], loaded[2], loaded[3], loaded[4], loaded[5])
-
-    @cuda.jit(device=True, inline=True)
-    def block_term(q, s0, s1, m, x0, x1, x2, x3, x4, x5, x6, x7, xs, xm):
-        """xs * (S dot(q, x) + M sum(x)) for one row's block (xm = xs * sum(x))."""
-        low = dp4a(q[3], x3, dp4a(q[2], x2, dp4a(q[1], x1, dp4a(q[0], x0, 0))))
-        high = dp4a(q[7], x7, dp4a(q[6], x6, dp4a(q[5], x5, dp4a(q[4], x4, 0))))
-        if split_scale:
-            return float32(low) * (s0 * xs) + float32(high) * (s1 * xs)
-        term = float32(low + high) * (s0 * xs)
-        if has_min:
-            term += m * xm
-        return term
 
     @cuda.jit(device=True, inline=True)
     def accumulate(acc, t, local, qa, la, qb, lb, stage_q, stage_s, stage_m):

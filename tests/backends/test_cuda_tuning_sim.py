@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType as T
 
 from cmpchat.backends.gpu.device import SIMULATED_GPU
 from cmpchat.backends.gpu.model import CudaBackend
@@ -17,7 +18,7 @@ from cmpchat.cudart.launch import Launch
 from cmpchat.kernels import attention_prefill
 from cmpchat.kernels.device_table import SIMULATOR_TUNING, SM_70, TUNING_VARIABLE, DeviceTuning
 from cmpchat.kernels.gemm import gemm_kernel
-from cmpchat.kernels.gemv_fused import GEMV_Q8_FUSED
+from cmpchat.kernels.gemv_fused import GEMV_FUSED
 from cmpchat.model.gguf_file import ModelFile
 
 
@@ -68,9 +69,9 @@ def test_the_cmps_row_reaches_every_launcher(tiny_model_path: Path) -> None:
     splits = AttentionSplits.allocate(config, 1, sms, SM_70)
     assert splits.config == SM_70.decode_attention_config(1, config.num_heads, config.num_kv_heads, sms)
     step = decode_launches(config, stage.weights, stage.kv, stage.states, stage.buffers, splits, 1, sms, SM_70)
-    fused = [launch for launch in step if launch.dispatcher in GEMV_Q8_FUSED.values()]
+    fused = [launch for launch in step if launch.dispatcher in GEMV_FUSED.values()]
     narrow = SM_70.gemv_narrow
-    assert fused and all(launch.dispatcher is GEMV_Q8_FUSED[narrow.steps, narrow.groups] for launch in fused)
+    assert fused and all(launch.dispatcher is GEMV_FUSED[T.Q8_0, narrow.steps, narrow.groups] for launch in fused)
 
 
 def test_the_memory_plan_is_the_rows(tiny_model_path: Path) -> None:

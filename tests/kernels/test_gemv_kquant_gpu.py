@@ -1,8 +1,8 @@
 """The 4/5/6-bit matmuls on a GPU (`pytest -m gpu`) at Qwen3.5 9B's shapes: every type on the attention
 projection's 4096 x 4096, the FFN's gate|up (SwiGLU) and down in the types a Q4_K_M file gives them, at one
-token, a full tile of 16 and several tiles (a prompt chunk) for the GEMV, and at a long prompt step's token
-counts (with tails) for the GEMM in the GPU's and the CMP's tilings, against float64 numpy of the reader's
-weights."""
+token (the fused kernel a decode step runs, and the batched one), a full tile of 16 and several tiles (a prompt
+chunk) for the GEMV, and at a long prompt step's token counts (with tails) for the GEMM in the GPU's and the
+CMP's tilings, against float64 numpy of the reader's weights."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from cmpchat.backends.gpu.device import gpu_info
 from cmpchat.backends.reference.layers import silu
 from cmpchat.kernels.device_table import default_tuning
 from cmpchat.kernels.gemm import SM70_TILING, gemm_kquant_launch
+from cmpchat.kernels.gemv_fused import gemv_kquant_fused_launch
 from cmpchat.kernels.gemv_kquant import KQUANT_TYPES, KQuantArrays, kquant_matmul_launch
+from cmpchat.model.quant import quantize_activations
 from tests.kernels.kquant_reference import int8_activations, random_matrix
 from tests.kernels.q8_reference import device
+from tests.kernels.test_gemv_fused_sim import rms_norm
 from tests.kernels.test_gemv_kquant import assert_close, product
 
 pytestmark = pytest.mark.gpu
@@ -87,3 +90,30 @@ def test_the_9b_ffn_as_q4_k_m_gives_it(tokens: int) -> None:
     ffn_launch(T.Q6_K, on_device(arrays), f, device(xq), device(xs), hidden, "accumulate", tokens).run()
     expected, magnitude = product(raw, arrays, T.Q6_K, f, x_values)
     assert_close(hidden.copy_to_host(), residual + expected, magnitude + 1)
+
+
+@pytest.mark.parametrize("mode", ["store", "swiglu"])
+@pytest.mark.parametrize("tensor_type", KQUANT_TYPES, ids=lambda t: t.name)
+def test_the_fused_one_token_gemv_at_the_9b_shapes(tensor_type: T, mode: str) -> None:
+    """What a decode step runs at one token: RMSNorm and quantisation in the prologue, in the GPU's tiling."""
+    rng = np.random.default_rng(int(tensor_type) * 13)
+    rows, cols = (4096, 4096) if mode == "store" else (2 * 12288, 4096)
+    raw, arrays = random_matrix(rng, tensor_type, rows, cols)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+    out = device(np.zeros((1, rows // 2 if mode == "swiglu" else rows), np.float32))
+    gpu = gpu_info(0)
+    tiling = default_tuning(gpu).gemv_tiling(rows, cols, mode, gpu.multiprocessors)
+    gemv_kquant_fused_launch(tensor_type, on_device(arrays), cols, device(x), out, mode=mode, norm_weight=device(norm),
+                             eps=1e-6, sm_count=gpu.multiprocessors, tiling=tiling).run()  # fmt: skip
+    quants, scales = quantize_activations(rms_norm(x, norm))
+    x_values = (quants.reshape(1, -1, 32).astype(np.float64) * scales[..., None]).reshape(1, cols)
+    expected, magnitude = product(raw, arrays, tensor_type, cols, x_values)
+    if mode == "store":
+        assert_close(out.copy_to_host(), expected, magnitude)
+        return
+    half = rows // 2
+    gate, up = expected[:, :half], expected[:, half:]
+    reference = silu(gate.astype(np.float32)).astype(np.float64) * up
+    bound = 1e-5 * (magnitude[:, :half] * np.abs(up) + magnitude[:, half:]) * 4
+    assert np.all(np.abs(out.copy_to_host() - reference) <= bound + 1e-30)

@@ -92,7 +92,7 @@ def test_the_decode_kernels_that_may_start_early_are_marked_and_the_combine_is_n
     from cmpchat.kernels import attention, elementwise, gated_deltanet, gemv, gemv_fused, qk_norm_rope, quantize
 
     early = [
-        *gemv_fused.GEMV_Q8_FUSED.values(),
+        *gemv_fused.GEMV_FUSED.values(),
         *gemv.GEMV_Q8.values(),
         quantize.quantize_rows,
         quantize.rms_norm_quantize,

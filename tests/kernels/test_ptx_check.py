@@ -25,6 +25,7 @@ from cmpchat.devtools.ptx_check import (
 
 REPO = Path(__file__).resolve().parents[2]
 
+KQUANT_NAMES = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 SPILL_ALLOWANCES: dict[str, int] = {
     # A prompt chunk's rows in turn with the 16 state values held in registers across them (64 at 1024
     # threads): 7 words go to L1-resident local memory, where a round trip of the state through L2 per row
@@ -38,9 +39,11 @@ SPILL_ALLOWANCES: dict[str, int] = {
     # 168 registers (`gemm.SM70_TILING`), which does not spill. The 4/5/6-bit ones hold a stage's raw blocks and
     # their scales in the same registers (measured: 48 to 324 bytes).
     "cmpchat.kernels.gemm.gemm_q8_64_64k2p": 304,
-    **{
-        f"cmpchat.kernels.gemm.gemm_{t}_64_64k2p": 352 for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-    },
+    **{f"cmpchat.kernels.gemm.gemm_{t}_64_64k2p": 352 for t in KQUANT_NAMES},
+    # The 4/5/6-bit fused one-token GEMVs at the 80 registers of 768 threads an SM: each step's high words, second
+    # scale and minimum beside the loads in flight leave 8-76 bytes in L1-resident local memory on sm_70 (none in
+    # the 2-group variants, at 88-128 registers); what that costs on a CMP is not measured.
+    **{f"cmpchat.kernels.gemv_fused.gemv_{t}_fused_s{s}g{g}": 80 for t in KQUANT_NAMES for s in (2, 4) for g in (1, 3)},
 }
 """Kernels allowed to spill, with the most spill bytes (stores + loads) each may have, e.g.
 `{"cmpchat.kernels.NAME.KERNEL": 8}` with a comment saying why the spill is worth keeping."""

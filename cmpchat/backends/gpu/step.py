@@ -40,7 +40,7 @@ from cmpchat.kernels.gated_deltanet import decode_step as gdn_decode_step
 from cmpchat.kernels.gemm import gemm_kquant_launch, gemm_q8_launch, matmul_kind
 from cmpchat.kernels.gemv import gemv_q8_launch
 from cmpchat.kernels.gemv_float import gemv_float_launch
-from cmpchat.kernels.gemv_fused import gemv_q8_fused_launch
+from cmpchat.kernels.gemv_fused import gemv_kquant_fused_launch, gemv_q8_fused_launch
 from cmpchat.kernels.gemv_kquant import kquant_matmul_launch
 from cmpchat.kernels.kv_write import kv_write_launch
 from cmpchat.kernels.qk_norm_rope import qk_norm_rope_launch, qk_norm_rope_rows_launch, rope_tables
@@ -306,8 +306,8 @@ def decode_launches(
 
 @dataclass(frozen=True)
 class MatmulInputs:
-    """How a step prepares each matmul's input: at one row a Q8_0 GEMV normalises and quantises it itself
-    (`gemv_fused`); otherwise a launch writes the int8 (and fp32, for float weights) form first, and the
+    """How a step prepares each matmul's input: at one row a Q8_0 or 4/5/6-bit GEMV normalises and quantises it
+    itself (`gemv_fused`); otherwise a launch writes the int8 (and fp32, for float weights) form first, and the
     batched GEMV (up to 16 rows) or the GEMM (more, `gemm.matmul_kind`) multiplies, tiled as `tuning` says for
     `sm_count` SMs; 4/5/6-bit weights likewise (`gemv_kquant`, `gemm.gemm_kquant_launch`), a launch per part
     of a matrix whose parts differ in type."""
@@ -318,21 +318,33 @@ class MatmulInputs:
     sm_count: int
     tuning: DeviceTuning
 
-    def fused_launch(
+    def fused_launches(
         self, matrix: DeviceMatrix, x: Any, out: Any, mode: str, norm: Any | None = None, eps: float = 0.0
-    ) -> Launch:
-        """The one-token fused GEMV of `matrix` on x (normalised with `norm` when given), in the row's tiling."""
-        tiling = self.tuning.gemv_tiling(matrix.rows, matrix.cols, mode, self.sm_count)
-        return gemv_q8_fused_launch(matrix.quants, matrix.scales, x, out, mode=mode, norm_weight=norm, eps=eps,
-                                    sm_count=self.sm_count, tiling=tiling)  # fmt: skip
+    ) -> list[Launch]:
+        """The one-token fused GEMV of `matrix` on x (normalised with `norm` when given), in the row's tiling: one
+        launch, or one a part of a matrix whose parts differ in type (each prepares the input itself)."""
+        if matrix.is_q8_0:
+            tiling = self.tuning.gemv_tiling(matrix.rows, matrix.cols, mode, self.sm_count)
+            return [gemv_q8_fused_launch(matrix.quants, matrix.scales, x, out, mode=mode, norm_weight=norm, eps=eps,
+                                         sm_count=self.sm_count, tiling=tiling)]  # fmt: skip
+        launches, first = [], 0
+        for part in matrix.parts or (matrix,):
+            assert part.tensor_type is not None and part.kquant is not None
+            tiling = self.tuning.gemv_tiling(part.rows, part.cols, mode, self.sm_count)
+            launches.append(
+                gemv_kquant_fused_launch(part.tensor_type, part.kquant, part.cols, x, out, mode=mode, norm_weight=norm,
+                                         eps=eps, out_first=first, sm_count=self.sm_count, tiling=tiling)
+            )  # fmt: skip
+            first += part.rows
+        return launches
 
     def fused(self, matrix: DeviceMatrix) -> bool:
-        return self.rows == 1 and matrix.is_q8_0
+        return self.rows == 1 and takes_int8(matrix)
 
     def normed(self, matrix: DeviceMatrix, hidden: Any, norm: Any, out: Any, mode: str = "store") -> list[Launch]:
         """out (=, or SwiGLU) matrix @ RMSNorm(hidden) * norm."""
         if self.fused(matrix):
-            return [self.fused_launch(matrix, hidden, out, mode, norm, self.eps)]
+            return self.fused_launches(matrix, hidden, out, mode, norm, self.eps)
         b, rows = self.b, self.rows
         norm_launch = rms_norm_quantize_launch(
             hidden, norm, self.eps, b.x_quants[:rows], b.x_scales[:rows], b.normalized[:rows]
@@ -342,7 +354,7 @@ class MatmulInputs:
     def project_into(self, matrix: DeviceMatrix, activations: Any, hidden: Any) -> list[Launch]:
         """hidden += matrix @ activations (the residual add fused into the GEMV)."""
         if self.fused(matrix):
-            return [self.fused_launch(matrix, activations, hidden, "accumulate")]
+            return self.fused_launches(matrix, activations, hidden, "accumulate")
         return _project_into(matrix, activations, self.b, self.rows, hidden, self.tuning)
 
 
@@ -379,7 +391,6 @@ def _project_into(
 def takes_int8(matrix: DeviceMatrix) -> bool:
     """Whether the matrix multiplies int8 activations: Q8_0, the 4/5/6-bit types, parts of those."""
     return matrix.is_q8_0 or matrix.kquant is not None or bool(matrix.parts)
-    gemm = matmul_kind(x_quants.shape[0]) == "gemm"
 
 
 def _int8_matmul(
@@ -390,6 +401,7 @@ def _int8_matmul(
     if matrix.is_q8_0:
         return [_q8_matmul(matrix, x_quants, x_scales, out, mode, tuning)]
     parts = matrix.parts or (matrix,)
+    gemm = matmul_kind(x_quants.shape[0]) == "gemm"
     launches, first = [], 0
     for part in parts:
         assert part.tensor_type is not None and part.kquant is not None

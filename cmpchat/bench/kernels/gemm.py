@@ -100,7 +100,9 @@ class _DeviceProblem:
         tiling = tiling or tuning.gemm
         x = (self.x_quants, self.x_scales, self.out)
         if self.tensor_type == GGMLQuantizationType.Q8_0:
-            launches = [gemm_q8_launch(*w, *x, mode=self.mode, tiling=tiling) for w in self.weights]
+            launches = [
+                gemm_q8_launch(quants, scales, *x, mode=self.mode, tiling=tiling) for quants, scales in self.weights
+            ]
         else:
             launches = [gemm_kquant_launch(self.tensor_type, w, self.cols, *x, mode=self.mode, tiling=tiling)
                         for w in self.weights]  # fmt: skip

@@ -32,7 +32,7 @@ from cmpchat.cudart.launch import Launch
 from cmpchat.cudart.profile import time_launches
 from cmpchat.cudart.selftest_kernels import count_launch
 from cmpchat.kernels.gemv import gemv_q8_launch, output_shape, weight_bytes
-from cmpchat.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, gemv_q8_fused_launch
+from cmpchat.kernels.gemv_fused import STEP_CHOICES, FusedGemvTiling, gemv_kquant_fused_launch, gemv_q8_fused_launch
 from cmpchat.kernels.gemv_kquant import ARRAY_DTYPES, FORMATS, KQuantArrays, KQuantFormat, kquant_matmul_launch
 from cmpchat.kernels.quantize import QUANT_BLOCK
 from cmpchat.model.builder import MODEL_SHAPES
@@ -152,8 +152,9 @@ def benchmark_kquant_gemv(
     type_name: str, rows: int, cols: int, tokens: int, *, mode: str, name: str = "", repeats: int = 30,
     seed: int = 0, cycle_bytes: int = 1 << 30,
 ) -> GemvTiming:  # fmt: skip
-    """Time the 4/5/6-bit GEMV of `type_name` for this shape on int8 activations (needs a GPU). The weight's
-    arrays are random bits (the time does not depend on the values), in copies totalling `cycle_bytes`."""
+    """Time the 4/5/6-bit GEMV of `type_name` a decode step runs for this shape (needs a GPU): at one token the
+    fused kernel on fp32 input, above that the batched one on int8 activations. The weight's arrays are random
+    bits (the time does not depend on the values), in copies totalling `cycle_bytes`."""
     fmt = FORMATS[GGMLQuantizationType[type_name]]
     rng = np.random.default_rng(seed)
     weight = fmt.matrix_bytes(rows, cols)
@@ -162,7 +163,14 @@ def benchmark_kquant_gemv(
     x_scales = cuda.to_device(rng.random((tokens, cols // QUANT_BLOCK)).astype(np.float32))
     out = cuda.to_device(np.zeros(output_shape(rows, tokens, mode), np.float32))
     gpu, tuning = bench_gpu()
-    launches = [kquant_matmul_launch(fmt.tensor_type, a, cols, x_quants, x_scales, out, mode=mode) for a in arrays]
+    if tokens == 1:  # what a decode step runs: the fused kernel, normalising its input unless it accumulates
+        x = cuda.to_device(rng.standard_normal((1, cols)).astype(np.float32))
+        norm = None if mode == "accumulate" else cuda.to_device(np.ones(cols, np.float32))
+        tiling = tuning.gemv_tiling(rows, cols, mode, gpu.multiprocessors)
+        launches = [gemv_kquant_fused_launch(fmt.tensor_type, a, cols, x, out, mode=mode, norm_weight=norm, eps=1e-6,
+                                             sm_count=gpu.multiprocessors, tiling=tiling) for a in arrays]  # fmt: skip
+    else:
+        launches = [kquant_matmul_launch(fmt.tensor_type, a, cols, x_quants, x_scales, out, mode=mode) for a in arrays]
     seconds = time_launches(launches, repeats, 3, early_launch=tuning.launches_early(gpu)) / len(launches)
     activations = tokens * (cols + cols // QUANT_BLOCK * 4)
     accumulated = tokens * output_shape(rows, tokens, mode)[1] * 4 if mode == "accumulate" else 0
