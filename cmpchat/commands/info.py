@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from cmpchat.commands.model_args import add_kv_argument
 from cmpchat.errors import CmpchatError
-from cmpchat.kv_formats import F16
+from cmpchat.kv_formats import F16, FORMATS
 from cmpchat.model.config import ModelConfig
 from cmpchat.model.gguf_file import ModelFile
 
@@ -73,6 +73,17 @@ def gpu_plan(model_file: ModelFile, config: ModelConfig, args: argparse.Namespac
     for index, (info, plan) in enumerate(zip(infos, plans, strict=True)):
         lines.append(f"  GPU {info.index} ({info.name}), stage {index}")
         lines += [f"    {line}" for line in plan.describe()]
+    stages = [info.index for info in infos]
+    pools = []
+    for name in FORMATS:  # the same stages with each KV format the GPU takes
+        try:
+            _, format_plans = choose_stages(model_file, config, stages, tuning, args.ctx, {**options, "kv": name},
+                                            lookup=lookup, available=available)  # fmt: skip
+        except CmpchatError:
+            pools.append(f"{name}: none")
+            continue
+        pools.append(f"{name}: {min(plan.pool_tokens for plan in format_plans):,}")
+    lines.append(f"kv formats    tokens a KV pool holds on these stages (--kv): {', '.join(pools)}")
     return lines
 
 

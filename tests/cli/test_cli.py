@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from cmpchat.cli import main
+from cmpchat.kv_formats import FORMATS
 from cmpchat.model.builder import build_model, matrix_types
 from tests.conftest import WIDE_SHAPE, add_byte_vocabulary
 
@@ -45,6 +47,11 @@ def test_info_plans_the_kv_pool_in_a_format(tiny_model_path, capsys):
     assert main(["info", str(tiny_model_path), "--gpu-mem", "2G", "--kv", "q8"]) == 0
     out = capsys.readouterr().out
     assert " tokens q8 at " in out and "context          4096 tokens per sequence at most" in out
+    listed = out.split("tokens a KV pool holds on these stages (--kv): ")[1].split("\n")[0]
+    pools = dict(item.split(": ") for item in listed.split(", "))
+    assert pools["tq3"] == "none"  # head size 32
+    planned = re.search(r"\((\d+) tokens q8 at ", out)
+    assert set(pools) == set(FORMATS) and planned and pools["q8"] == f"{int(planned.group(1)):,}"
     assert main(["info", str(tiny_model_path), "--gpu-mem", "2G", "--kv", "tq3"]) == 0
     assert "gpu plan      the GPU's tq3 codes need a head size" in capsys.readouterr().out  # head size 32
 
