@@ -168,8 +168,10 @@ LLAMA_VERSION=$(sed -n 's/.*llama.cpp version: //p' "$WORK/configure.log" | head
 
 [ -z "${CONFIGURE_ONLY:-}" ] || { echo "configured: $BUILD"; exit 0; }
 
-step "build llama-bench with $JOBS jobs (long: ninja prints [done/total])"
-cmake --build "$BUILD" --target llama-bench -j "$JOBS"
+step "build llama-bench and llama-quantize with $JOBS jobs (long: ninja prints [done/total])"
+# llama-quantize (seconds once llama-bench's libraries are built) stays in $BUILD/bin: it quantises on the
+# CPU here, for tests/fixtures/oracle/quantize_oracle.py, and is not packed.
+cmake --build "$BUILD" --target llama-bench llama-quantize -j "$JOBS"
 
 step "pack"
 STAGE=$WORK/stage/$NAME
